@@ -1,0 +1,12 @@
+.PHONY: setup demo test lint
+setup:
+	@bash scripts/setup.sh
+
+demo: setup
+	.venv/bin/vatspec demo
+
+test: setup
+	.venv/bin/python -m pytest -q
+
+lint: setup
+	.venv/bin/ruff check .

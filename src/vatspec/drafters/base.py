@@ -1,0 +1,52 @@
+"""What every drafter gives the training loop, and the accept head that sits beside it.
+
+One loop trains both drafters because each reduces a batch to the same shape: N verification
+chains of K drafted positions (EAGLE-3: one chain per sequence index, K = TTT steps; DFlash: one
+chain per anchor, K = block_size - 1 slots). Verification, weights and losses then act on
+``[..., K]`` without knowing which drafter made them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+
+@dataclass
+class DraftOutput:
+    """Chains of K drafted positions; ``...`` are the chain dims ([B, T] or [B, A]).
+
+    logits:        [..., K, Vd] draft logits over the draft vocabulary.
+    hidden:        [..., K, H]  the drafter's last hidden state at each position (the accept head's input).
+    target_logits: [..., K, V]  target logits predicting the same tokens (may be a strided view).
+    valid:         [..., K] bool, True where the position exists and is supervised; a prefix mask along K.
+    """
+
+    logits: Tensor
+    hidden: Tensor
+    target_logits: Tensor
+    valid: Tensor
+
+    def __post_init__(self):
+        K = self.valid.shape[-1]
+        lead = self.valid.shape
+        assert self.logits.shape[:-1] == lead, f"logits {tuple(self.logits.shape)} vs valid {tuple(lead)}"
+        assert self.hidden.shape[:-1] == lead, f"hidden {tuple(self.hidden.shape)} vs valid {tuple(lead)}"
+        assert self.target_logits.shape[:-1] == lead, (
+            f"target_logits {tuple(self.target_logits.shape)} vs valid {tuple(lead)}"
+        )
+        assert K >= 1 and self.valid.dtype == torch.bool
+
+
+class AcceptHead(nn.Module):
+    """VAT's verification head: one dense layer on the draft's last hidden state -> logit of
+    P(prefix still alive at this position). Training-only by default; never part of a served draft."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.proj = nn.Linear(hidden_size, 1)
+
+    def forward(self, hidden: Tensor) -> Tensor:  # [..., H] -> [..., ]
+        return self.proj(hidden).squeeze(-1)

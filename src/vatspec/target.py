@@ -264,7 +264,18 @@ def prepare_default_target(home: Path | None = None, *, force: bool = False) -> 
     tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    gmodel = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # The GGUF path marks the (already dequantised) model as quantised, which blocks saving:
+    # rebuild a plain model from the config and move the float32 weights over.
+    config = gmodel.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(gmodel.state_dict(), strict=False)
+    if unexpected or [k for k in missing if "lm_head" not in k]:
+        raise TargetError(f"GGUF conversion: missing {missing}, unexpected {unexpected}")
+    model.tie_weights()
+    model.generation_config = gmodel.generation_config
     model.save_pretrained(tmp, safe_serialization=True)
     tok.save_pretrained(tmp)
     (tmp / "vatspec-converted.json").write_text(

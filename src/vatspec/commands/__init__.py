@@ -1,0 +1,1 @@
+"""Subcommands whose logic lives elsewhere (each is a thin argparse front)."""

@@ -1,0 +1,214 @@
+"""Run configuration: frozen dataclasses with defaults, YAML files of overrides, and
+``section.field=value`` overrides on the command line.
+
+    cfg = load_config("my.yaml", ["loss.kind=vat", "train.steps=200"])
+    save_config(cfg, run_dir / "config.yaml")          # the resolved config, saved with every run
+
+Unknown sections or fields and values of the wrong type fail with a ``ConfigError`` that names
+the source (file or command-line item) and the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from vatspec.losses import LossConfig
+
+
+class ConfigError(ValueError):
+    """A configuration file or override is invalid."""
+
+
+@dataclass(frozen=True)
+class TargetConfig:
+    path: str = "default"  # "default" = embedded SmolLM2-135M-Instruct, else a local HF folder
+    dtype: str = "float32"  # float32 | bfloat16 | float16
+    device: str = "auto"  # auto = cuda if available, else cpu
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    train: str = ""  # conversations: JSONL / JSON / HF dataset folder / parquet
+    heldout: str = ""  # optional separate held-out file; else a split of `train`
+    heldout_fraction: float = 0.05
+    heldout_max: int = 64  # at most this many held-out conversations
+    max_length: int = 2048
+    batch_size: int = 1
+    skip_bad: bool = False  # skip malformed records (counted) instead of failing
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    kind: str = "eagle3"  # eagle3 | dflash
+    target_layer_ids: tuple[int, ...] | None = None  # None = the drafter's reference default
+    # EAGLE-3
+    draft_vocab_size: int = 32000
+    ttt_steps: int = 7
+    # DFlash
+    num_layers: int = 1
+    block_size: int = 16
+    num_anchors: int = 512  # anchors (blocks) per sequence
+    mask_token_id: int | None = None  # None = pick an unused target id, else a learned row
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float | None = None  # None = reference: 1e-4 (eagle3), 6e-4 (dflash)
+    betas: tuple[float, float] = (0.9, 0.95)
+    weight_decay: float = 0.0
+    warmup_ratio: float | None = None  # None = reference: 0.015 (eagle3), 0.04 (dflash)
+    grad_clip: float | None = None  # None = reference: 0.5 (eagle3), 1.0 (dflash)
+    grad_accum: int = 1
+    min_lr_ratio: float = 0.0  # cosine floor, as a fraction of lr
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    out_dir: str = "runs/default"
+    steps: int = 0  # optimizer steps; 0 = epochs over the data
+    epochs: int = 1
+    seed: int = 0
+    log_every: int = 1
+    eval_every: int = 0  # 0 = only at the end
+    save_every: int = 0  # 0 = only the final checkpoint
+    keep_checkpoints: int = 2
+
+
+@dataclass(frozen=True)
+class Config:
+    target: TargetConfig = field(default_factory=TargetConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+
+# ----------------------------------------------------------------------------- loading
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Defaults <- YAML file <- ``section.field=value`` overrides, each checked."""
+    cfg = Config()
+    if path:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {e}") from e
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: expected a mapping of sections, got {type(data).__name__}")
+        cfg = merge(cfg, data, source=str(path))
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or "." not in key:
+            raise ConfigError(f"override {item!r}: expected section.field=value")
+        section, _, name = key.strip().partition(".")
+        value = yaml.safe_load(raw) if raw.strip() else ""
+        cfg = merge(cfg, {section: {name: value}}, source=f"override {item!r}")
+    return cfg
+
+
+def merge(cfg: Any, data: dict, *, source: str, prefix: str = "") -> Any:
+    """Return ``cfg`` (a dataclass) with the fields in ``data`` replaced, recursively, type-checked."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: {prefix or 'config'} must be a mapping, got {type(data).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cfg)}
+    hints = typing.get_type_hints(type(cfg))
+    changes = {}
+    for key, value in data.items():
+        where = f"{prefix}{key}"
+        if key not in fields:
+            raise ConfigError(f"{source}: unknown field {where!r} (known: {', '.join(sorted(fields))})")
+        current = getattr(cfg, key)
+        if dataclasses.is_dataclass(current):
+            changes[key] = merge(current, value, source=source, prefix=where + ".")
+        else:
+            changes[key] = _coerce(value, hints[key], where, source)
+    try:
+        return dataclasses.replace(cfg, **changes)
+    except (ValueError, TypeError) as e:  # __post_init__ validation of the section
+        raise ConfigError(f"{source}: {e}") from e
+
+
+def _coerce(value: Any, tp: Any, where: str, source: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(value, a, where, source)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"{source}: {where}: bad value {value!r}")
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{source}: {where} expects a list, got {value!r}")
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_coerce(v, args[0], where, source) for v in value)
+        if len(args) != len(value):
+            raise ConfigError(f"{source}: {where} expects {len(args)} values, got {len(value)}")
+        return tuple(_coerce(v, a, where, source) for v, a in zip(value, args))
+    if origin is typing.Literal:
+        if value not in args:
+            raise ConfigError(f"{source}: {where} must be one of {list(args)}, got {value!r}")
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{source}: {where} expects true/false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{source}: {where} expects an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{source}: {where} expects a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{source}: {where} expects a string, got {value!r}")
+    raise ConfigError(f"{source}: {where}: unsupported field type {tp}")
+
+
+# ----------------------------------------------------------------------------- saving
+def to_dict(cfg: Any) -> dict:
+    """Plain nested dict (tuples as lists) of a config, for YAML / JSON."""
+
+    def plain(v):
+        if isinstance(v, tuple):
+            return [plain(x) for x in v]
+        return v
+
+    return {
+        f.name: to_dict(getattr(cfg, f.name)) if dataclasses.is_dataclass(getattr(cfg, f.name))
+        else plain(getattr(cfg, f.name))
+        for f in dataclasses.fields(cfg)
+    }
+
+
+def dump_config(cfg: Config) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    Path(path).write_text(dump_config(cfg))
+
+
+def config_from_dict(data: dict, *, source: str = "checkpoint") -> Config:
+    return merge(Config(), data, source=source)

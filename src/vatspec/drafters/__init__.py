@@ -1,0 +1,92 @@
+"""Drafters: a plain registry, and the two calls the training loop makes on any of them.
+
+    drafter = build_drafter(cfg.drafter, target, token_counts)
+    plan = plan_batch(drafter, batch, cfg.drafter, generator)   # what the target must compute
+    tout = target(batch.input_ids, batch.attention_mask, drafter.target_layer_ids, logits_at=plan.logits_at)
+    out = drafter.training_forward(batch, tout, **plan.kwargs)   # -> DraftOutput, K positions per chain
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+# kind -> (module, drafter class, config class)
+DRAFTERS: dict[str, tuple[str, str, str]] = {
+    "eagle3": ("vatspec.drafters.eagle3", "Eagle3Drafter", "Eagle3Config"),
+    "dflash": ("vatspec.drafters.dflash", "DFlashDrafter", "DFlashConfig"),
+}
+
+
+def _classes(kind: str, source: str = "drafter.kind"):
+    if kind not in DRAFTERS:
+        raise ValueError(f"{source}: unknown drafter kind {kind!r} (known: {', '.join(DRAFTERS)})")
+    mod, cls, cfg = DRAFTERS[kind]
+    module = importlib.import_module(mod)
+    return getattr(module, cls), getattr(module, cfg)
+
+
+@dataclass
+class DrafterPlan:
+    """What one micro-batch needs: where the target must produce logits (None = everywhere)
+    and the extra keyword arguments of ``training_forward`` (DFlash's anchors)."""
+
+    logits_at: Tensor | None = None  # bool [B, T]
+    kwargs: dict = field(default_factory=dict)
+
+
+def build_drafter(cfg, target, token_counts: Tensor | None = None):
+    """A freshly initialised drafter for ``target`` from a ``DrafterConfig``."""
+    cls, conf_cls = _classes(cfg.kind)
+    layer_ids = list(cfg.target_layer_ids) if cfg.target_layer_ids else None
+    if cfg.kind == "eagle3":
+        from vatspec.drafters.vocab import build_draft_vocab
+
+        conf = conf_cls.from_target(
+            target, draft_vocab_size=cfg.draft_vocab_size, ttt_steps=cfg.ttt_steps, target_layer_ids=layer_ids
+        )
+        drafter = cls(conf)
+        drafter.attach_target(target)
+        if token_counts is None:
+            token_counts = torch.ones(target.vocab_size, dtype=torch.long)
+        drafter.set_vocab(*build_draft_vocab(token_counts, conf.draft_vocab_size))
+        return drafter
+    conf = conf_cls.from_target(
+        target, num_layers=cfg.num_layers, block_size=cfg.block_size, target_layer_ids=layer_ids,
+        mask_token_id=cfg.mask_token_id,
+    )
+    drafter = cls(conf)
+    drafter.attach_target(target)
+    return drafter
+
+
+def drafter_from_dict(kind: str, config: dict, target, *, source: str = "drafter.json"):
+    """Rebuild a drafter from its saved config and check it fits ``target``."""
+    cls, conf_cls = _classes(kind, source)
+    conf = conf_cls.from_dict(config)
+    checks = {
+        "vocab_size": target.vocab_size,
+        "target_hidden_size": target.hidden_size,
+    }
+    for name, want in checks.items():
+        have = getattr(conf, name, None)
+        if have is not None and have != want:
+            raise ValueError(f"{source}: {name}={have} does not match the target ({want})")
+    for i in conf.target_layer_ids:
+        if not 0 <= i < target.num_layers:
+            raise ValueError(f"{source}: target layer id {i} out of range for a {target.num_layers}-layer target")
+    drafter = cls(conf)
+    drafter.attach_target(target)
+    return drafter
+
+
+def plan_batch(drafter, batch, cfg, generator: torch.Generator | None) -> DrafterPlan:
+    """EAGLE-3 needs target logits everywhere; DFlash samples anchors and needs logits only
+    at the positions its blocks predict."""
+    if drafter.kind == "dflash":
+        anchors = drafter.sample_anchors(batch, cfg.num_anchors, generator)
+        return DrafterPlan(logits_at=drafter.logits_positions(batch, anchors), kwargs={"anchors": anchors})
+    return DrafterPlan()

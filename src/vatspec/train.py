@@ -164,13 +164,20 @@ def _dist_setup(device_pref: str) -> tuple[int, int, torch.device]:
     return rank, world, torch.device(device_pref)
 
 
-def _all_reduce_mean(values: dict[str, float], world: int) -> dict[str, float]:
+def _all_reduce_mean(values: dict, world: int) -> dict:
+    """Mean over ranks of every number in ``values`` (scalars and lists of numbers)."""
     if world == 1 or not values:
         return values
     keys = sorted(values)
-    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
+    flat = [float(x) for k in keys for x in (values[k] if isinstance(values[k], list) else [values[k]])]
+    t = torch.tensor(flat, dtype=torch.float64)
     dist.all_reduce(t)
-    return {k: v / world for k, v in zip(keys, t.tolist())}
+    means, out, i = (t / world).tolist(), {}, 0
+    for k in keys:
+        n = len(values[k]) if isinstance(values[k], list) else 1
+        out[k] = means[i : i + n] if isinstance(values[k], list) else means[i]
+        i += n
+    return out
 
 
 # ----------------------------------------------------------------------------- the run
@@ -226,16 +233,19 @@ def train_arms(cfgs: list[Config], *, resume: bool = False, init_from: str | Non
     if base.data.heldout:
         train_convs, held_convs = convs, D.load_conversations(base.data.heldout, skip_bad=base.data.skip_bad)
     else:
-        train_convs, held_convs = D.split_heldout(
-            convs, fraction=base.data.heldout_fraction, max_n=base.data.heldout_max, seed=base.train.seed
-        )
+        n_held = min(base.data.heldout_max, max(1, round(len(convs) * base.data.heldout_fraction)))
+        train_convs, held_convs = D.split_heldout(convs, n_held if len(convs) > 1 else 0, seed=base.train.seed)
     train_ex = _tokenize(train_convs, tok, base.data.max_length, base.data.train)
     held_ex = _tokenize(held_convs, tok, base.data.max_length, base.data.heldout or base.data.train)
     if not train_ex:
         raise TrainError(f"{base.data.train}: no conversation has a supervised (assistant) token")
     counts = D.token_counts(train_ex, target.vocab_size)
-    batches = D.BatchIterator(train_ex, base.data.batch_size, pad_id=_pad_id(target), seed=base.train.seed,
-                              rank=rank, world=world)
+    if world > 1:  # each rank its own equal share, same seeded order: every rank takes the same steps
+        share = len(train_ex) // world
+        if share < base.data.batch_size:
+            raise TrainError(f"{len(train_ex)} examples are too few for {world} ranks of batch {base.data.batch_size}")
+        train_ex = train_ex[rank * share : (rank + 1) * share]
+    batches = D.BatchIterator(train_ex, base.data.batch_size, pad_id=_pad_id(target), seed=base.train.seed)
     accum = base.optim.grad_accum
     total = base.train.steps or max(1, len(batches) // accum) * base.train.epochs
 
@@ -270,7 +280,7 @@ def train_arms(cfgs: list[Config], *, resume: bool = False, init_from: str | Non
             arm.opt.zero_grad(set_to_none=True)
         n_tokens = 0
         for micro in range(accum):
-            batch = batches.next().to(device)
+            batch = next(batches).to(device)
             n_tokens += int(batch.attention_mask.sum())
             gens = [step_generator(base.train.seed, step, micro, rank) for _ in arms]
             plans = [plan_batch(a.drafter, batch, a.cfg.drafter, g) for a, g in zip(arms, gens)]

@@ -1,0 +1,102 @@
+"""Step time of VAT against the drafter's own baseline loss, side by side in one process.
+
+VAT changes only the loss, so its training step should cost about the same (goal: ratio <= 1.05).
+Both arms see the same batches, alternating step by step after a warm-up, on the default target.
+Two ratios are printed: the drafter step alone (forward + loss + backward + optimiser, the part
+VAT can change) and the full step including the shared target forward.
+
+    .venv/bin/python scripts/bench_train_step.py --drafter eagle3 --steps 8
+    .venv/bin/python scripts/bench_train_step.py --drafter dflash --steps 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from vatspec import data as D
+from vatspec.config import load_config
+from vatspec.drafters import plan_batch
+from vatspec.target import Target
+from vatspec.train import _build_arm, _pad_id, _tokenize, arm_step, shared_target_pass, step_generator
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--drafter", default="eagle3", choices=["eagle3", "dflash"])
+    ap.add_argument("--data", help="conversations file (default: a prepared bundled corpus sample)")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--batch-size", type=int, default=2)
+    ap.add_argument("--max-length", type=int, default=256)
+    ap.add_argument("--draft-vocab", type=int, default=8192)
+    ap.add_argument("--block-size", type=int, default=8)
+    ap.add_argument("--anchors", type=int, default=32)
+    ap.add_argument("--json", help="write the figures here")
+    args = ap.parse_args()
+
+    torch.manual_seed(0)
+    target = Target.default()
+    tmp = Path(tempfile.mkdtemp())
+    data = args.data or str(D.prepare_prompts(64, seed=0, out=tmp / "prompts.jsonl"))
+    baseline = args.drafter
+    common = [f"data.train={data}", f"data.batch_size={args.batch_size}", f"data.max_length={args.max_length}",
+              f"drafter.kind={args.drafter}", f"drafter.draft_vocab_size={args.draft_vocab}",
+              f"drafter.block_size={args.block_size}", f"drafter.num_anchors={args.anchors}"]
+    cfgs = {k: load_config(None, [*common, f"loss.kind={k}", f"train.out_dir={tmp / k}"]) for k in (baseline, "vat")}
+    examples = _tokenize(D.load_conversations(data), target.tokenizer, args.max_length, data)
+    counts = D.token_counts(examples, target.vocab_size)
+    total = args.steps + args.warmup
+    arms = {k: _build_arm(c, target, counts, total, 1, target.device, None) for k, c in cfgs.items()}
+    pad = _pad_id(target)
+    batches = [D.collate(examples[i : i + args.batch_size], pad)
+               for i in range(0, args.batch_size * total, args.batch_size)]
+
+    drafter_t = {k: [] for k in arms}
+    target_t = []
+    for step, batch in enumerate(batches):
+        for k, arm in (arms.items() if step % 2 == 0 else reversed(list(arms.items()))):
+            g = step_generator(0, step, 0, 0)
+            plan = plan_batch(arm.drafter, batch, arm.cfg.drafter, g)
+            t0 = time.perf_counter()
+            tout = shared_target_pass(target, batch, [arm.drafter], [plan])[0]
+            t1 = time.perf_counter()
+            arm.opt.zero_grad(set_to_none=True)
+            res = arm_step(arm.model, arm.drafter, batch, tout, plan, arm.loss_cfg, g)
+            res.loss.backward()
+            torch.nn.utils.clip_grad_norm_(arm.params, arm.optim_cfg.grad_clip)
+            arm.opt.step()
+            t2 = time.perf_counter()
+            if step >= args.warmup:
+                drafter_t[k].append(t2 - t1)
+                target_t.append(t1 - t0)
+    tokens = sum(int(b.attention_mask.sum()) for b in batches[args.warmup :])
+    med = {k: statistics.median(v) for k, v in drafter_t.items()}
+    tgt = statistics.median(target_t)
+    out = {
+        "drafter": args.drafter, "steps": args.steps, "batch_size": args.batch_size, "max_length": args.max_length,
+        "drafter_step_s": med, "target_forward_s": tgt,
+        "ratio_drafter_step": med["vat"] / med[baseline],
+        "ratio_full_step": (med["vat"] + tgt) / (med[baseline] + tgt),
+        "train_tokens_per_s": {k: tokens / (sum(v) + tgt * len(v)) for k, v in drafter_t.items()},
+        "threads": torch.get_num_threads(),
+    }
+    print(f"drafter={args.drafter} batch={args.batch_size}x{args.max_length} steps={args.steps} "
+          f"(median seconds, interleaved)")
+    print(f"  target forward          {tgt:.3f}s")
+    for k in arms:
+        print(f"  {k:>6} drafter step     {med[k]:.3f}s   tokens/s (full step) {out['train_tokens_per_s'][k]:.0f}")
+    print(f"  ratio vat/{baseline} drafter step: {out['ratio_drafter_step']:.3f}")
+    print(f"  ratio vat/{baseline} full step:    {out['ratio_full_step']:.3f}  (goal <= 1.05)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()

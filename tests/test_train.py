@@ -1,0 +1,162 @@
+"""The training loop on a tiny target: resume exactness, DDP, bad input, lockstep arms."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import tiny_llama
+from vatspec.config import load_config
+from vatspec.train import TrainError, train, train_arms
+
+CONVS = [
+    {"id": f"c{i}", "conversations": [
+        {"from": "human", "value": f"Count from {i} to {i + 5}, please."},
+        {"from": "gpt", "value": " ".join(str(j) for j in range(i, i + 6)) + ". Done counting."},
+    ]}
+    for i in range(24)
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_target_dir(tmp_path_factory, default_target_path):
+    """A tiny random Llama saved with the SmolLM2 tokenizer (chat template), as a local HF folder."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(default_target_path)
+    path = tmp_path_factory.mktemp("tiny_target")
+    tiny_llama(vocab_size=len(tok), hidden_size=32, layers=6).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "train.jsonl"
+    path.write_text("".join(json.dumps(c) + "\n" for c in CONVS))
+    return path
+
+
+def _cfg(tiny_target_dir, data_file, out_dir, *extra):
+    return load_config(None, [
+        f"target.path={tiny_target_dir}", f"data.train={data_file}", f"train.out_dir={out_dir}",
+        "data.batch_size=2", "data.max_length=64", "data.heldout_max=4", "drafter.draft_vocab_size=256",
+        "drafter.ttt_steps=3", "drafter.block_size=4", "drafter.num_anchors=4", "train.steps=4",
+        "optim.lr=1e-3", *extra,
+    ])
+
+
+def _losses(run_dir: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("kind, loss", [("eagle3", "vat"), ("dflash", "vat")])
+def test_resume_reproduces_uninterrupted_losses(tiny_target_dir, data_file, tmp_path, kind, loss):
+    full = _cfg(tiny_target_dir, data_file, tmp_path / "full", f"drafter.kind={kind}", f"loss.kind={loss}",
+                "train.save_every=2")
+    train(full, progress=False)
+    # a run killed right after its step-2 checkpoint: the same folder as it was at that moment
+    part_dir = tmp_path / "part"
+    import shutil
+
+    shutil.copytree(tmp_path / "full", part_dir)
+    # roll the copy back to its step-2 checkpoint, as if the process had been killed right after it
+    (part_dir / "latest").write_text("step-000002\n")
+    shutil.rmtree(part_dir / "checkpoints" / "step-000004")
+    lines = (part_dir / "metrics.jsonl").read_text().splitlines()[:2]
+    (part_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    resumed = _cfg(tiny_target_dir, data_file, part_dir, f"drafter.kind={kind}", f"loss.kind={loss}",
+                   "train.save_every=2")
+    train(resumed, resume=True, progress=False)
+    a, b = _losses(tmp_path / "full"), _losses(part_dir)
+    assert len(a) == len(b) == 4
+    assert a == pytest.approx(b, rel=1e-6, abs=1e-7)
+
+
+def test_refuses_to_overwrite_a_run(tiny_target_dir, data_file, tmp_path):
+    cfg = _cfg(tiny_target_dir, data_file, tmp_path / "r", "train.steps=1")
+    train(cfg, progress=False)
+    before = (tmp_path / "r" / "metrics.jsonl").read_text()
+    with pytest.raises(TrainError, match="already holds a run"):
+        train(cfg, progress=False)
+    assert (tmp_path / "r" / "metrics.jsonl").read_text() == before
+
+
+def test_bad_data_is_named(tiny_target_dir, tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(Exception, match="empty.jsonl"):
+        train(_cfg(tiny_target_dir, empty, tmp_path / "x"), progress=False)
+    no_sup = tmp_path / "nosup.jsonl"
+    no_sup.write_text(json.dumps({"id": "a", "conversations": [
+        {"from": "human", "value": "x " * 200}, {"from": "gpt", "value": "y"}]}) + "\n")
+    with pytest.raises(TrainError, match="nosup.jsonl"):
+        train(_cfg(tiny_target_dir, no_sup, tmp_path / "y"), progress=False)
+    assert not (tmp_path / "x" / "latest").exists() and not (tmp_path / "y" / "latest").exists()
+
+
+def test_lockstep_arms_equal_separate_runs(tiny_target_dir, data_file, tmp_path):
+    """Sharing the target pass changes nothing: each arm's losses equal its run alone."""
+    a = _cfg(tiny_target_dir, data_file, tmp_path / "a", "drafter.kind=eagle3", "loss.kind=eagle3")
+    b = _cfg(tiny_target_dir, data_file, tmp_path / "b", "drafter.kind=dflash", "loss.kind=vat")
+    train_arms([a, b], progress=False)
+    a2 = _cfg(tiny_target_dir, data_file, tmp_path / "a2", "drafter.kind=eagle3", "loss.kind=eagle3")
+    b2 = _cfg(tiny_target_dir, data_file, tmp_path / "b2", "drafter.kind=dflash", "loss.kind=vat")
+    train(a2, progress=False)
+    train(b2, progress=False)
+    assert _losses(tmp_path / "a") == pytest.approx(_losses(tmp_path / "a2"), rel=1e-5)
+    assert _losses(tmp_path / "b") == pytest.approx(_losses(tmp_path / "b2"), rel=1e-5)
+
+
+def test_checkpoint_loads_for_decoding(tiny_target_dir, data_file, tmp_path):
+    from vatspec.checkpoint import load_draft
+    from vatspec.target import Target
+
+    cfg = _cfg(tiny_target_dir, data_file, tmp_path / "run", "loss.kind=vat", "train.steps=1")
+    train(cfg, progress=False)
+    target = Target.from_pretrained(tiny_target_dir)
+    drafter, head = load_draft(tmp_path / "run", target)
+    assert drafter.kind == "eagle3" and head is not None
+    saved = (tmp_path / "run" / "checkpoints" / "step-000001" / "config.yaml").read_text()
+    assert "kind: vat" in saved
+
+
+def test_ddp_two_cpu_processes_hold_identical_weights(tiny_target_dir, data_file, tmp_path):
+    script = tmp_path / "ddp.py"
+    # every rank saves its live parameters after training; DDP must have kept them identical
+    script.write_text(
+        "import sys, torch, torch.distributed as dist\n"
+        "from vatspec.config import load_config\n"
+        "import vatspec.train as T\n"
+        "cfg = load_config(None, sys.argv[2:])\n"
+        "captured = {}\n"
+        "orig = T._build_arm\n"
+        "def spy(*a, **k):\n"
+        "    arm = orig(*a, **k); captured['arm'] = arm; return arm\n"
+        "T._build_arm = spy\n"
+        "T.train(cfg, progress=False)\n"
+        "m = captured['arm'].module\n"
+        "flat = torch.cat([p.detach().flatten() for p in m.parameters()])\n"
+        "torch.save(flat, sys.argv[1] + f'.{dist.get_rank()}')\n"
+    )
+    out = tmp_path / "w"
+    args = [f"target.path={tiny_target_dir}", f"data.train={data_file}", f"train.out_dir={tmp_path / 'ddp'}",
+            "data.batch_size=2", "data.max_length=64", "drafter.draft_vocab_size=256", "drafter.ttt_steps=3",
+            "train.steps=2", "optim.lr=1e-2", "loss.kind=vat"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29533", str(script),
+         str(out), *args],
+        capture_output=True, text=True, env=env, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    w0, w1 = torch.load(f"{out}.0"), torch.load(f"{out}.1")
+    assert torch.equal(w0, w1)
+    # and they moved away from the initialisation
+    assert (tmp_path / "ddp" / "latest").exists()

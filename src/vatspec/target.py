@@ -147,7 +147,7 @@ class Target:
         for e in [eos] if isinstance(eos, int) else list(eos or []):
             if e is not None and e not in ids:
                 ids.append(int(e))
-        tid = self.tokenizer.eos_token_id
+        tid = getattr(self.tokenizer, "eos_token_id", None)
         if tid is not None and tid not in ids:
             ids.append(int(tid))
         return ids

@@ -344,8 +344,10 @@ def _build_arm(cfg: Config, target, counts, total: int, world: int, device, init
         grad_clip=cfg.optim.grad_clip if cfg.optim.grad_clip is not None else ref["grad_clip"],
     )
     torch.manual_seed(cfg.train.seed)  # same init for every arm of a kind: a fair comparison
-    if init_from:
-        drafter, _ = ckpt_io.load_draft(init_from, target)
+    if init_from:  # a training checkpoint, a run folder, or an exported served draft
+        from vatspec.export import load_any_draft
+
+        drafter, _ = load_any_draft(init_from, target, ttt_steps=cfg.drafter.ttt_steps)
         drafter.train()
     else:
         drafter = build_drafter(cfg.drafter, target, counts)

@@ -1,0 +1,427 @@
+"""``vatspec eval``: acceptance length tau and wall-clock speedup of drafters, per benchmark.
+
+    results = evaluate(target, {"eagle3": (drafter, head)}, {"gsm8k": prompts}, temperature=0.0,
+                       max_new_tokens=256, warmup=1, seed=0)
+    write_report(results, "runs/eval", relative_to=None)   # results.json, results.md, tau.png, acceptance.png
+
+Measurement protocol
+--------------------
+* One process, one target, batch size 1 (``vatspec.decode``).
+* Every method, the autoregressive baseline ``ar`` (the same decode loop without a drafter) and HF
+  ``generate()`` greedy (``hf_generate``, to show the baseline is honest) run on every prompt,
+  interleaved: prompt i runs all of them back to back, in an order rotated by i (``run_order``),
+  so slow drifts of the machine (thermal, other jobs) hit every method alike.
+* ``warmup`` prompts (the first ones of the first benchmark) first run every method untimed.
+* Per benchmark: ``tau`` = committed tokens / verify rounds pooled over its prompts (bonus
+  included, prefill token excluded); ``tokens_per_s`` = new tokens / wall seconds (prefill
+  included); ``speedup`` = a method's tokens/s over ``ar``'s tokens/s on the same prompts.
+  ``average`` = the mean over benchmarks (as the paper's tables), histograms pooled.
+* At temperature > 0 each (benchmark, prompt) gets one seed shared by all methods.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import torch
+
+from vatspec.decode import generate
+
+log = logging.getLogger(__name__)
+
+AR, HF = "ar", "hf_generate"  # the two baselines every evaluation measures
+DISPLAY = {AR: "AR (same loop, no draft)", HF: "HF generate() greedy"}
+
+
+# --------------------------------------------------------------------------- prompts
+def prompt_ids(tokenizer, item) -> list[int]:
+    """One prompt -> token ids. ``item``: token ids (list / 1-D tensor), or a conversation (an
+    object with ``.messages``, a dict with ``"messages"``, or a list of ``{role, content}``).
+    A conversation is cut after its last user turn and rendered with the chat template
+    (``add_generation_prompt=True``)."""
+    if isinstance(item, torch.Tensor):
+        return item.flatten().tolist()
+    if isinstance(item, Sequence) and not isinstance(item, str) and all(isinstance(t, int) for t in item):
+        return list(item)
+    messages = getattr(item, "messages", None)
+    if messages is None and isinstance(item, Mapping):
+        messages = item.get("messages")
+    if messages is None and isinstance(item, Sequence):
+        messages = list(item)
+    if not messages:
+        raise ValueError(f"a prompt must be token ids or a conversation with messages, got {type(item).__name__}")
+    messages = list(messages)
+    while messages and messages[-1]["role"] == "assistant":  # the model answers the last user turn
+        messages.pop()
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, Mapping) or hasattr(ids, "keys"):  # transformers >= 5 returns a BatchEncoding
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+# --------------------------------------------------------------------------- measurement
+def run_order(names: Sequence[str], num_prompts: int) -> list[list[str]]:
+    """The order in which prompt i runs the methods: ``names`` rotated by i, so each method takes
+    each slot (first, second, ...) equally often and runs right after / before every other."""
+    n = len(names)
+    return [list(names[i % n :]) + list(names[: i % n]) for i in range(num_prompts)]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def hf_generate(target, ids: list[int], max_new_tokens: int) -> tuple[list[int], float]:
+    """HF ``generate()`` greedy on the same prompt: (new tokens, wall seconds)."""
+    device = target.device
+    x = torch.tensor([ids], device=device)
+    eos = target.eos_token_ids
+    _sync(device)
+    t0 = time.perf_counter()
+    out = target.model.generate(
+        x,
+        attention_mask=torch.ones_like(x),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=eos or None,
+        pad_token_id=eos[0] if eos else None,
+    )
+    _sync(device)
+    return out[0, len(ids) :].tolist(), time.perf_counter() - t0
+
+
+def _summarize(runs: list[dict]) -> dict:
+    """Pool per-prompt runs of one method on one benchmark."""
+    tokens = sum(r["tokens"] for r in runs)
+    seconds = sum(r["wall_s"] for r in runs)
+    out = {"prompts": len(runs), "tokens": tokens, "wall_s": seconds, "tokens_per_s": tokens / seconds}
+    if runs and "rounds" in runs[0]:
+        rounds = sum(r["rounds"] for r in runs)
+        committed = sum(r["committed"] for r in runs)
+        out.update(
+            rounds=rounds,
+            tau=committed / rounds if rounds else float("nan"),
+            histogram=_pool([r["histogram"] for r in runs]),
+            prefill_s=sum(r["prefill_s"] for r in runs),
+            draft_s=sum(r["draft_s"] for r in runs),
+            verify_s=sum(r["verify_s"] for r in runs),
+        )
+    if runs and "matches_ar" in runs[0]:
+        out["matches_ar"] = sum(r["matches_ar"] for r in runs)
+    return out
+
+
+def evaluate(
+    target,
+    methods: Mapping[str, tuple],
+    prompts_by_bench: Mapping[str, Sequence],
+    *,
+    temperature: float = 0.0,
+    max_new_tokens: int = 256,
+    warmup: int = 1,
+    seed: int = 0,
+    exit_threshold: float | None = None,
+    k: int | None = None,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    draft_argmax: bool = False,
+    hf_baseline: bool = True,
+    progress: bool = True,
+) -> dict:
+    """Measure every method against the AR baseline (and HF ``generate``) on every prompt.
+
+    methods:          name -> (drafter | None, accept head | None); a None drafter runs AR again
+                      (its speedup shows the measurement noise).
+    prompts_by_bench: benchmark name -> prompts (token ids or conversations, see ``prompt_ids``).
+    exit_threshold:   early exit for the methods that have a head (others ignore it).
+    Returns a JSON-ready dict: ``config``, ``benchmarks`` (prompt counts), ``summary[name][bench]``
+    with ``average`` per name, and the per-prompt ``runs``.
+    """
+    from tqdm.auto import tqdm
+
+    for reserved in (AR, HF):
+        if reserved in methods:
+            raise ValueError(f"method name {reserved!r} is reserved for a baseline; rename it")
+    device = target.device
+    names = [AR, *methods] + ([HF] if hf_baseline else [])
+    ids_by_bench = {b: [prompt_ids(target.tokenizer, p) for p in ps] for b, ps in prompts_by_bench.items()}
+    ids_by_bench = {b: ps for b, ps in ids_by_bench.items() if ps}
+    if not ids_by_bench:
+        raise ValueError("evaluate: no prompts")
+    gen_kw = dict(k=k, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                  draft_argmax=draft_argmax)
+
+    def run_one(name: str, ids: list[int], gen_seed: int) -> dict:
+        if name == HF:
+            toks, wall = hf_generate(target, ids, max_new_tokens)
+            return {"tokens": len(toks), "wall_s": wall, "_out": toks}
+        drafter, head = (None, None) if name == AR else methods[name]
+        g = torch.Generator(device=device).manual_seed(gen_seed)
+        res = generate(target, ids, drafter, head=head, exit_threshold=exit_threshold if head is not None else None,
+                       generator=g, **gen_kw)
+        return {
+            "tokens": len(res.tokens), "wall_s": res.wall_s, "rounds": len(res.rounds),
+            "committed": sum(res.tokens_per_step), "histogram": res.histogram, "prefill_s": res.prefill_s,
+            "draft_s": res.draft_s, "verify_s": res.verify_s, "stop": res.stop, "_out": res.tokens,
+        }
+
+    first = next(iter(ids_by_bench.values()))
+    n_warm = min(warmup, len(first))
+    total = len(names) * (n_warm + sum(len(ps) for ps in ids_by_bench.values()))
+    bar = tqdm(total=total, desc="eval", disable=not progress, unit="run")
+    for i in range(n_warm):
+        for name in names:
+            bar.set_postfix_str(f"warm-up {name}")
+            run_one(name, first[i], seed)
+            bar.update()
+
+    runs: dict[str, dict[str, list[dict]]] = {name: {} for name in names}
+    for b, (bench, prompts) in enumerate(ids_by_bench.items()):
+        for name in names:
+            runs[name][bench] = []
+        for i, order in enumerate(run_order(names, len(prompts))):
+            gen_seed = seed * 1_000_003 + b * 10_007 + i
+            outs = {}
+            for name in order:
+                bar.set_postfix_str(f"{bench} {name}")
+                rec = run_one(name, prompts[i], gen_seed)
+                outs[name] = rec.pop("_out")
+                runs[name][bench].append({"prompt": i, "prompt_tokens": len(prompts[i]), **rec})
+                bar.update()
+            if temperature == 0:  # greedy decoding is lossless: every output should equal AR's
+                for name in names[1:]:
+                    runs[name][bench][-1]["matches_ar"] = outs[name] == outs[AR]
+    bar.close()
+
+    summary: dict[str, dict] = {}
+    for name in names:
+        per = {bench: _summarize(rs) for bench, rs in runs[name].items()}
+        for bench, s in per.items():
+            s["speedup"] = s["tokens_per_s"] / summary[AR][bench]["tokens_per_s"] if name != AR else 1.0
+        avg = {key: sum(s[key] for s in per.values()) / len(per)
+               for key in ("tokens_per_s", "speedup", "tau") if key in next(iter(per.values()))}
+        if "histogram" in next(iter(per.values())):
+            avg["histogram"] = _pool([s["histogram"] for s in per.values()])
+        summary[name] = {**per, "average": avg}
+        mism = sum(s["prompts"] - s["matches_ar"] for s in per.values() if "matches_ar" in s)
+        if mism:
+            log.warning("%s: %d prompt(s) differ from the AR output at temperature 0 "
+                        "(float near-ties; large counts mean a bug)", name, mism)
+
+    return {
+        "config": {
+            "temperature": temperature, "top_k": top_k, "top_p": top_p, "draft_argmax": draft_argmax,
+            "max_new_tokens": max_new_tokens, "k": k, "warmup": n_warm, "seed": seed,
+            "exit_threshold": exit_threshold, "batch_size": 1, "device": str(device),
+            "dtype": str(target.dtype).removeprefix("torch."), "target": getattr(target, "path", None),
+            "threads": torch.get_num_threads(), "methods": list(methods), "order": "rotated per prompt",
+        },
+        "benchmarks": {bench: len(ps) for bench, ps in ids_by_bench.items()},
+        "summary": summary,
+        "runs": runs,
+    }
+
+
+def _pool(hists: list[list[int]]) -> list[int]:
+    out = [0] * max((len(h) for h in hists), default=0)
+    for h in hists:
+        for n, c in enumerate(h):
+            out[n] += c
+    return out
+
+
+# --------------------------------------------------------------------------- report
+def _fmt(x: float, kind: str) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    return {"speedup": f"{x:.2f}×", "tau": f"{x:.2f}", "pct": f"{x:+.1f}%", "tps": f"{x:.1f}"}[kind]
+
+
+def markdown_table(results: dict, relative_to: str | None = None) -> str:
+    """The paper's table (method x benchmark: speedup and tau, then the average), a row of
+    relative change vs ``relative_to`` under every other method, and a throughput table that
+    puts the AR baseline next to HF ``generate()``."""
+    summary, benches = results["summary"], list(results["benchmarks"])
+    cols = [*benches, "average"]
+    methods = [n for n in summary if n not in (AR, HF)]
+    if relative_to is not None and relative_to not in summary:
+        raise ValueError(f"--relative-to {relative_to!r}: no such method (have {', '.join(methods)})")
+    cfg = results["config"]
+    lines = [
+        f"Speculative decoding at temperature {cfg['temperature']:g}, max_new_tokens {cfg['max_new_tokens']}, "
+        f"batch size 1, {cfg['device']}. Speedup = tokens/s over the AR baseline (same loop, no draft), "
+        "measured interleaved; τ = tokens committed per target verify pass, bonus included.",
+        "",
+        "| Method | " + " | ".join(f"{c} speedup | {c} τ" for c in cols) + " |",
+        "|---|" + "---:|---:|" * len(cols),
+    ]
+    for name in [AR, *methods]:
+        row = summary[name]
+        cells = [f"{_fmt(row[c].get('speedup'), 'speedup')} | {_fmt(row[c].get('tau'), 'tau')}" for c in cols]
+        lines.append(f"| {DISPLAY.get(name, name)} | " + " | ".join(cells) + " |")
+        if relative_to is not None and name not in (AR, relative_to):
+            base = summary[relative_to]
+            rel = [
+                " | ".join(_fmt(100 * (row[c][m] / base[c][m] - 1), "pct") for m in ("speedup", "tau"))
+                for c in cols
+            ]
+            lines.append(f"| Δ vs {relative_to} | " + " | ".join(rel) + " |")
+    head = ["Benchmark", "prompts", "AR tok/s"]
+    head += [f"{DISPLAY[HF]} tok/s", "AR / HF"] if HF in summary else []
+    head += [f"{m} tok/s" for m in methods]
+    lines += ["", "| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+    for c in cols:
+        ar = summary[AR][c]["tokens_per_s"]
+        cells = [c, str(results["benchmarks"].get(c, sum(results["benchmarks"].values()))), _fmt(ar, "tps")]
+        if HF in summary:
+            hf = summary[HF][c]["tokens_per_s"]
+            cells += [_fmt(hf, "tps"), f"{ar / hf:.2f}"]
+        cells += [_fmt(summary[m][c]["tokens_per_s"], "tps") for m in methods]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict, out_dir: str | Path) -> list[Path]:
+    """tau.png (tau per benchmark for each method) and acceptance.png (acceptance-length histogram)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir = Path(out_dir)
+    summary, cols = results["summary"], [*results["benchmarks"], "average"]
+    methods = [n for n in summary if n not in (AR, HF)] or [AR]
+    width = 0.8 / len(methods)
+    paths = []
+
+    fig, ax = plt.subplots(figsize=(1.6 + 1.2 * len(cols), 3.6))
+    for j, m in enumerate(methods):
+        xs = [i + (j - (len(methods) - 1) / 2) * width for i in range(len(cols))]
+        ax.bar(xs, [summary[m][c]["tau"] for c in cols], width, label=m)
+    ax.set_xticks(range(len(cols)), cols)
+    ax.set_ylabel("τ (tokens per verify pass)")
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax.margins(y=0.2)  # room above the bars for the legend
+    ax.legend(fontsize="small", loc="upper center", ncol=min(len(methods), 4), frameon=False)
+    ax.set_title(f"Acceptance length τ, temperature {results['config']['temperature']:g}")
+    fig.tight_layout()
+    paths.append(out_dir / "tau.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    for j, m in enumerate(methods):
+        h = summary[m]["average"]["histogram"]
+        total = sum(h) or 1
+        ns = range(1, len(h))
+        ax.bar([n + (j - (len(methods) - 1) / 2) * width for n in ns], [h[n] / total for n in ns], width, label=m)
+    ax.set_xlabel("tokens committed per round (accepted + 1)")
+    ax.set_ylabel("fraction of rounds")
+    ax.margins(y=0.2)  # room above the bars for the legend
+    ax.legend(fontsize="small", loc="upper center", ncol=min(len(methods), 4), frameon=False)
+    ax.set_title("Acceptance-length histogram (all benchmarks)")
+    fig.tight_layout()
+    paths.append(out_dir / "acceptance.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+    return paths
+
+
+def write_report(results: dict, out_dir: str | Path, relative_to: str | None = None, plots: bool = True) -> dict:
+    """Write results.json, results.md and the plots; return {kind: path}."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out_dir / "results.json", "markdown": out_dir / "results.md"}
+    paths["json"].write_text(json.dumps(results, indent=1))
+    paths["markdown"].write_text(markdown_table(results, relative_to))
+    if plots:
+        paths["tau_plot"], paths["hist_plot"] = plot(results, out_dir)
+    return paths
+
+
+# --------------------------------------------------------------------------- command
+def load_drafter(path: str | Path, target):
+    """INTEGRATION POINT: a trained checkpoint (or run folder) -> ``(drafter, head | None)``.
+
+    Delegates to ``vatspec.checkpoint.load_draft``; everything checkpoint-specific lives there."""
+    from vatspec.checkpoint import load_draft
+
+    return load_draft(path, target)
+
+
+def _parse_draft(spec: str) -> tuple[str, str]:
+    name, sep, path = spec.partition("=")
+    if not sep:
+        path = spec
+        name = Path(spec.rstrip("/")).name
+    if not name or not path:
+        raise ValueError(f"--draft {spec!r}: expected NAME=PATH or PATH")
+    return name, path
+
+
+def configure(parser) -> None:
+    parser.add_argument("--target", default="default", help="'default' (embedded SmolLM2) or a local HF folder")
+    parser.add_argument("--draft", action="append", default=[], metavar="[NAME=]PATH",
+                        help="a checkpoint or run folder; repeat for several methods")
+    parser.add_argument("--bench", action="append", default=[], metavar="NAME",
+                        help="a bundled benchmark (repeatable; default: all, unless --prompts is given)")
+    parser.add_argument("--prompts", action="append", default=[], metavar="FILE",
+                        help="your own prompts (JSONL conversations); the file stem names the benchmark")
+    parser.add_argument("--num-prompts", type=int, default=None, help="first N prompts of each benchmark")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--draft-argmax", action="store_true", help="draft by argmax at T > 0 (as vLLM)")
+    parser.add_argument("--k", type=int, default=None, help="drafted tokens per round (default: the drafter's)")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--warmup", type=int, default=1, help="prompts run untimed first")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--exit-threshold", type=float, default=None, help="accept-head early exit")
+    parser.add_argument("--no-head", action="store_true", help="ignore saved accept heads")
+    parser.add_argument("--relative-to", default=None, metavar="NAME", help="add Δ%% rows vs this method")
+    parser.add_argument("--no-hf", action="store_true", help="skip the HF generate() baseline")
+    parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument("--out", default="runs/eval", help="output folder")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
+
+
+def run(args) -> int:
+    from vatspec import data
+    from vatspec.target import Target
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    target = Target.load(args.target, dtype=getattr(torch, args.dtype), device=device)
+    methods = {}
+    for spec in args.draft:
+        name, path = _parse_draft(spec)
+        if name in methods:
+            raise SystemExit(f"--draft: method name {name!r} given twice")
+        drafter, head = load_drafter(path, target)
+        methods[name] = (drafter, None if args.no_head else head)
+    benches = args.bench or ([] if args.prompts else data.list_benchmarks())
+    prompts = {b: data.load_benchmark(b) for b in benches}
+    for f in args.prompts:
+        prompts[Path(f).stem] = data.load_conversations(f, require_assistant=False)
+    if args.num_prompts is not None:
+        prompts = {b: ps[: args.num_prompts] for b, ps in prompts.items()}
+    results = evaluate(
+        target, methods, prompts, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
+        warmup=args.warmup, seed=args.seed, exit_threshold=args.exit_threshold, k=args.k, top_k=args.top_k,
+        top_p=args.top_p, draft_argmax=args.draft_argmax, hf_baseline=not args.no_hf,
+    )
+    results["config"]["drafts"] = dict(_parse_draft(s) for s in args.draft)
+    paths = write_report(results, args.out, args.relative_to, plots=not args.no_plots)
+    print(paths["markdown"].read_text())
+    print("wrote " + ", ".join(str(p) for p in paths.values()))
+    return 0

@@ -1,0 +1,205 @@
+"""``vatspec eval`` (``vatspec.bench``): interleaving, bookkeeping, report files, the command."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.test_decode import tiny_target
+from vatspec import bench
+from vatspec.bench import AR, HF, evaluate, markdown_table, prompt_ids, run_order, write_report
+from vatspec.drafters.sampling import Proposal
+
+BOS = 1  # every test prompt starts with it, so the oracle below can rebuild the full sequence
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+class OracleDrafter:
+    """Drafts the target's own greedy continuation (recomputed without a cache, tiny models only)
+    and spoils draft ``pattern[r]`` of round r, so round r accepts ``pattern[r]`` tokens."""
+
+    target_layer_ids = [0]
+
+    def __init__(self, target, pattern):
+        self.target, self.pattern = target, pattern
+
+    def new_session(self, head=None, exit_threshold=None):
+        return OracleSession(self)
+
+
+class OracleSession:
+    def __init__(self, d):
+        self.d, self.seq, self.r = d, [BOS], 0
+
+    def extend(self, features, tokens):
+        self.seq += tokens.tolist()
+
+    def propose(self, k, *, temperature=0.0, top_k=0, top_p=1.0, generator=None):
+        seq = list(self.seq)
+        for _ in range(k):
+            seq.append(int(self.d.target(torch.tensor([seq])).logits[0, -1].argmax()))
+        draft = torch.tensor(seq[len(self.seq) :])
+        a = self.d.pattern[self.r % len(self.d.pattern)]
+        self.r += 1
+        if a < k:
+            draft[a] = (draft[a] + 1) % self.d.target.vocab_size
+        return Proposal(draft)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    target = tiny_target(seed=11)
+    prompts = {
+        "math": [[BOS, 5, 6, 7], [BOS, 9], [BOS, 30, 31]],
+        "code": [[BOS, 40, 41, 42, 43], [BOS, 2, 3]],
+    }
+    methods = {"good": (OracleDrafter(target, [3, 2, 3]), None), "poor": (OracleDrafter(target, [0, 1]), None)}
+    return target, methods, prompts
+
+
+def test_run_order_rotates():
+    names = [AR, "a", "b", HF]
+    order = run_order(names, 6)
+    assert order[:4] == [[AR, "a", "b", HF], ["a", "b", HF, AR], ["b", HF, AR, "a"], [HF, AR, "a", "b"]]
+    assert order[4] == order[0] and all(sorted(o) == sorted(names) for o in order)
+    for slot in range(4):  # over len(names) prompts every method takes every slot once
+        assert sorted(o[slot] for o in order[:4]) == sorted(names)
+
+
+def test_evaluate_interleaves_and_warms_up(tiny, monkeypatch):
+    target, methods, prompts = tiny
+    calls = []
+    real_generate, real_hf = bench.generate, bench.hf_generate
+
+    def logged_generate(target, ids, drafter, **kw):
+        name = next((n for n, (d, _) in methods.items() if d is drafter), AR)
+        calls.append((name, tuple(ids)))
+        return real_generate(target, ids, drafter, **kw)
+
+    def logged_hf(target, ids, max_new_tokens):
+        calls.append((HF, tuple(ids)))
+        return real_hf(target, ids, max_new_tokens)
+
+    monkeypatch.setattr(bench, "generate", logged_generate)
+    monkeypatch.setattr(bench, "hf_generate", logged_hf)
+    evaluate(target, methods, prompts, max_new_tokens=6, warmup=2, progress=False)
+    names = [AR, "good", "poor", HF]
+    first = prompts["math"]
+    want = [(n, tuple(first[i])) for i in range(2) for n in names]  # warm-up, fixed order
+    for ps in prompts.values():
+        want += [(n, tuple(ps[i])) for i, order in enumerate(run_order(names, len(ps))) for n in order]
+    assert calls == want
+
+
+def test_evaluate_bookkeeping(tiny):
+    target, methods, prompts = tiny
+    max_new = 13  # 1 prefill token + 12 from rounds
+    res = evaluate(target, methods, prompts, max_new_tokens=max_new, warmup=0, k=4, progress=False)
+    s = res["summary"]
+    assert res["benchmarks"] == {"math": 3, "code": 2}
+    for name in (AR, "good", "poor", HF):
+        for bench_name, n in res["benchmarks"].items():
+            assert s[name][bench_name]["prompts"] == n
+            assert s[name][bench_name]["tokens"] == n * max_new  # no EOS in the tiny model
+            assert s[name][bench_name].get("matches_ar", n) == n  # greedy: lossless, HF agrees
+    # "good" accepts 3, 2, 3, ... of k = 4: pooled tau = committed tokens / rounds over the 3 prompts
+    runs = res["runs"]["good"]["math"]
+    assert all(r["committed"] == max_new - 1 for r in runs)
+    tau_by_hand = 3 * (max_new - 1) / sum(r["rounds"] for r in runs)
+    assert s["good"]["math"]["tau"] == pytest.approx(tau_by_hand)
+    assert s["good"]["math"]["tau"] > s["poor"]["math"]["tau"] > 1.0 == s[AR]["math"]["tau"]
+    h = s["good"]["average"]["histogram"]
+    assert sum(n * c for n, c in enumerate(h)) == 5 * (max_new - 1)  # every committed token is counted
+    assert s[AR]["average"]["speedup"] == 1.0
+    assert s["good"]["code"]["speedup"] == pytest.approx(
+        s["good"]["code"]["tokens_per_s"] / s[AR]["code"]["tokens_per_s"]
+    )
+    avg = s["poor"]["average"]
+    assert avg["tau"] == pytest.approx((s["poor"]["math"]["tau"] + s["poor"]["code"]["tau"]) / 2)
+
+
+def test_report_files(tiny, tmp_path):
+    target, methods, prompts = tiny
+    res = evaluate(target, methods, prompts, max_new_tokens=8, warmup=1, k=3, progress=False)
+    paths = write_report(res, tmp_path, relative_to="poor")
+    saved = json.loads(paths["json"].read_text())
+    assert saved["summary"]["good"]["math"]["tau"] == res["summary"]["good"]["math"]["tau"]
+    md = paths["markdown"].read_text()
+    assert "| Method | math speedup | math τ | code speedup | code τ | average speedup | average τ |" in md
+    assert "| good |" in md and "| Δ vs poor |" in md and "| AR (same loop, no draft) | 1.00× | 1.00 |" in md
+    assert md.count("Δ vs poor") == 1  # under "good" only, not under the baseline itself
+    assert "AR / HF" in md
+    for key in ("tau_plot", "hist_plot"):
+        assert paths[key].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ValueError, match="no such method"):
+        markdown_table(res, relative_to="nope")
+
+
+def test_sampling_evaluation_runs(tiny):
+    """At T > 0 there is no losslessness check, and every method still gets a tau."""
+    target, methods, prompts = tiny
+    good = {"good": methods["good"]}
+    res = evaluate(target, good, {"math": prompts["math"][:1]}, temperature=1.0, max_new_tokens=5, warmup=0,
+                   k=2, draft_argmax=True, hf_baseline=False, progress=False)
+    assert "matches_ar" not in res["summary"]["good"]["math"] and HF not in res["summary"]
+    assert res["summary"]["good"]["math"]["tokens"] == 5
+
+
+class ChatTokenizer:
+    """Records what it renders; returns a BatchEncoding-like mapping as transformers 5 does."""
+
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+        assert add_generation_prompt and tokenize
+        self.seen = messages
+        return {"input_ids": [7] * len(messages)}
+
+
+def test_prompt_ids():
+    tok = ChatTokenizer()
+    assert prompt_ids(tok, [3, 4]) == [3, 4] and prompt_ids(tok, torch.tensor([[5, 6]])) == [5, 6]
+    conv = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    assert prompt_ids(tok, conv) == [7] and tok.seen == conv[:1]  # cut after the last user turn
+    obj = type("Conv", (), {"messages": conv + [{"role": "user", "content": "more"}]})()
+    assert prompt_ids(tok, obj) == [7, 7, 7]
+    assert prompt_ids(tok, {"messages": conv[:1]}) == [7]
+
+
+def test_eval_command(tiny, tmp_path, monkeypatch):
+    """``vatspec eval`` wires checkpoints, benchmarks and prompt files into evaluate + report."""
+    from vatspec import cli, data
+    from vatspec.target import Target
+
+    target, methods, prompts = tiny
+    monkeypatch.setattr(Target, "load", classmethod(lambda cls, name, **kw: target))
+    monkeypatch.setattr(bench, "load_drafter", lambda path, t: (OracleDrafter(t, [2]), None))
+    monkeypatch.setattr(data, "load_benchmark", lambda name: [[BOS, 3, 4], [BOS, 8]])
+    user = tmp_path / "mine.jsonl"
+    user.write_text("")
+    monkeypatch.setattr(data, "load_conversations", lambda path, **kw: [[BOS, 12]])
+    out = tmp_path / "eval"
+    rc = cli.main(["eval", "--draft", f"vat={tmp_path}/ckpt", "--bench", "gsm8k", "--prompts", str(user),
+                   "--max-new-tokens", "5", "--k", "2", "--warmup", "0", "--out", str(out), "--no-plots"])
+    assert rc == 0
+    res = json.loads((out / "results.json").read_text())
+    assert res["benchmarks"] == {"gsm8k": 2, "mine": 1}
+    assert set(res["summary"]) == {AR, "vat", HF} and res["config"]["drafts"] == {"vat": f"{tmp_path}/ckpt"}
+
+
+@pytest.mark.slow
+def test_smollm2_ar_matches_hf_generate():
+    from vatspec.target import Target
+
+    target = Target.default()
+    conv = [{"role": "user", "content": "Name three primary colours."}]
+    res = evaluate(target, {}, {"chat": [conv]}, max_new_tokens=24, warmup=0, progress=False)
+    s = res["summary"]
+    assert s[HF]["chat"]["matches_ar"] == 1 and s[AR]["chat"]["tokens"] == s[HF]["chat"]["tokens"]

@@ -1,0 +1,482 @@
+"""vatspec.data and vatspec.benchmarks: readers, loss masks, batching, regeneration, bundled sets.
+
+Nothing is downloaded: the SmolLM2 tokenizer comes from the converted default target in the
+local cache, the regeneration model is a tiny random Llama built here.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import sys
+from collections import Counter
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vatspec.data import (
+    Batch,
+    BatchIterator,
+    Conversation,
+    DataError,
+    Example,
+    collate,
+    list_benchmarks,
+    load_benchmark,
+    load_conversations,
+    prepare_prompts,
+    regenerate,
+    split_heldout,
+    token_counts,
+    tokenize_conversation,
+)
+
+BENCH_DIR = Path(__file__).resolve().parents[1] / "src/vatspec/benchmarks"
+IM_START, IM_END = 1, 2  # SmolLM2 ChatML special ids
+
+
+@pytest.fixture(scope="module")
+def tok(default_target_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(default_target_path)
+
+
+@pytest.fixture
+def one_thread():
+    # On a CPU shared with other jobs, torch's 2 threads spin against each other and run
+    # generation 10x slower than 1 thread; restore the setting for other tests.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def write(path: Path, text: str) -> Path:
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def jsonl(*recs) -> str:
+    return "".join(json.dumps(r) + "\n" for r in recs)
+
+
+SHAREGPT = {"id": "a", "conversations": [
+    {"from": "system", "value": "Be brief."}, {"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello"},
+    {"from": "human", "value": "Bye"}, {"from": "gpt", "value": "Bye!"}]}
+OPENAI = {"id": "b", "messages": [
+    {"role": "user", "content": [{"type": "text", "text": "Two "}, {"type": "text", "text": "parts"}]},
+    {"role": "assistant", "content": "ok"}]}
+
+
+# --------------------------------------------------------------------------- readers
+def test_sharegpt_jsonl(tmp_path):
+    (c,) = load_conversations(write(tmp_path / "d.jsonl", jsonl(SHAREGPT)))
+    assert c.id == "a"
+    assert [m["role"] for m in c.messages] == ["system", "user", "assistant", "user", "assistant"]
+    assert c.messages[2] == {"role": "assistant", "content": "Hello"}
+
+
+def test_openai_json_array_and_other_formats(tmp_path):
+    recs = [OPENAI, {"instruction": "Add", "input": "1 2", "output": "3"}, {"prompt": "P", "response": "R"}]
+    convs = load_conversations(write(tmp_path / "d.json", json.dumps(recs, indent=2)))
+    assert [c.messages for c in convs] == [
+        [{"role": "user", "content": "Two parts"}, {"role": "assistant", "content": "ok"}],
+        [{"role": "user", "content": "Add\n\n1 2"}, {"role": "assistant", "content": "3"}],
+        [{"role": "user", "content": "P"}, {"role": "assistant", "content": "R"}],
+    ]
+    # ids from the data, else <stem>-<line of the item in the file>
+    assert convs[0].id == "b" and re.fullmatch(r"d-\d+", convs[1].id)
+
+
+def test_single_object_json_and_folder(tmp_path):
+    write(tmp_path / "one.json", json.dumps(OPENAI))
+    write(tmp_path / "two.jsonl", jsonl(SHAREGPT))
+    assert [c.id for c in load_conversations(tmp_path / "one.json")] == ["b"]
+    assert sorted(c.id for c in load_conversations(tmp_path)) == ["a", "b"]
+
+
+def test_duplicate_ids_made_unique_and_leading_assistant_dropped(tmp_path):
+    lead = {"id": "a", "conversations": [{"from": "gpt", "value": "orphan"}, *SHAREGPT["conversations"][1:3]]}
+    convs = load_conversations(write(tmp_path / "d.jsonl", jsonl(SHAREGPT, lead)))
+    assert [c.id for c in convs] == ["a", "a#1"]
+    assert [m["content"] for m in convs[1].messages] == ["Hi", "Hello"]
+
+
+def test_prompt_only_needs_require_assistant_false(tmp_path):
+    p = write(tmp_path / "p.jsonl", jsonl({"id": "q", "messages": [{"role": "user", "content": "?"}]}))
+    with pytest.raises(DataError, match=r"p\.jsonl:1: conversation 'q' has no assistant turn"):
+        load_conversations(p)
+    assert not load_conversations(p, require_assistant=False)[0].has_assistant
+
+
+BAD = [  # (file name, content, pattern the error must match: file and line, good records)
+    ("bad.jsonl", jsonl(SHAREGPT) + "{not json\n" + jsonl(OPENAI), r"bad\.jsonl:2: malformed JSON", 2),
+    ("noasst.jsonl", jsonl(SHAREGPT, OPENAI) + jsonl({"messages": [{"role": "user", "content": "x"}]}),
+     r"noasst\.jsonl:3: conversation 'noasst-3' has no assistant turn", 2),
+    ("role.jsonl", jsonl({"messages": [{"role": "tool", "content": "x"}]}, OPENAI),
+     r"role\.jsonl:1: turn 0: unknown role 'tool'", 1),
+    ("fmt.jsonl", jsonl(OPENAI, {"text": "x"}), r"fmt\.jsonl:2: unrecognised record", 1),
+    ("arr.json", json.dumps([SHAREGPT, OPENAI], indent=1)[:-2] + ",\n  {oops}\n]", r"arr\.json:\d+: malformed JSON", 0),
+]
+
+
+@pytest.mark.parametrize("name,text,pattern,good", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_names_file_and_line(tmp_path, caplog, name, text, pattern, good):
+    p = write(tmp_path / name, text)
+    with pytest.raises(DataError, match=pattern):
+        load_conversations(p)
+    if name != "arr.json":  # a broken JSON array cannot be resynchronised: no skip
+        with caplog.at_level(logging.WARNING, logger="vatspec.data"):
+            convs = load_conversations(p, skip_bad=True)
+        assert len(convs) == good
+        assert "skipped 1 bad records" in caplog.text and name in caplog.text
+
+
+def test_json_array_error_line_is_exact(tmp_path):
+    text = '[\n {"prompt": "a"},\n {"prompt": "b"},\n {"prompt": "c",, }\n]\n'
+    with pytest.raises(DataError, match=r"a\.json:4: malformed JSON"):
+        load_conversations(write(tmp_path / "a.json", text), require_assistant=False)
+
+
+@pytest.mark.parametrize("text", ["", "\n\n"])
+def test_empty_file(tmp_path, text):
+    with pytest.raises(DataError, match=r"empty\.jsonl: empty"):
+        load_conversations(write(tmp_path / "empty.jsonl", text))
+
+
+def test_partial_last_line_dropped_with_warning(tmp_path, caplog):
+    p = write(tmp_path / "cut.jsonl", jsonl(SHAREGPT) + json.dumps(OPENAI)[:20])
+    with caplog.at_level(logging.WARNING, logger="vatspec.data"):
+        assert [c.id for c in load_conversations(p)] == ["a"]
+    assert "cut.jsonl:2: dropped a partial last line" in caplog.text
+
+
+def test_missing_path_without_datasets(tmp_path, monkeypatch):
+    with pytest.raises(DataError, match="no such file"):
+        load_conversations(tmp_path / "missing.jsonl")
+    monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets -> ImportError
+    with pytest.raises(DataError, match=r"pip install 'vatspec\[hub\]'"):
+        load_conversations("some-org/some-dataset")
+
+
+def test_parquet_and_load_from_disk(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    import pyarrow as pa
+
+    # an explicit fingerprint skips datasets' pickling of the table (broken for some pyarrow/dill pairs)
+    ds = datasets.Dataset(pa.Table.from_pylist([SHAREGPT, {**SHAREGPT, "id": "c"}]), fingerprint="t")
+    ds.to_parquet(str(tmp_path / "d.parquet"))
+    ds.save_to_disk(str(tmp_path / "saved"))
+    for src in (tmp_path / "d.parquet", tmp_path / "saved"):
+        convs = load_conversations(src)
+        assert [c.id for c in convs] == ["a", "c"] and convs[0].messages[1]["content"] == "Hi"
+
+
+# --------------------------------------------------------------------------- loss mask
+MULTI = Conversation("m", [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Name a colour."},
+    {"role": "assistant", "content": "Blue."},
+    {"role": "user", "content": "Another one, please?"},
+    {"role": "assistant", "content": "Green, or maybe red.\nEither."},
+    {"role": "user", "content": "Thanks"},
+    {"role": "assistant", "content": "You're welcome!"},
+])
+
+
+def test_loss_mask_matches_chatml_by_hand(tok):
+    """Reference built piece by piece from the ChatML layout, independent of the code's offsets."""
+    ref_ids: list[int] = []
+    ref_mask: list[bool] = []
+
+    def add(text: str, on: bool):
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        ref_ids.extend(ids)
+        ref_mask.extend([on] * len(ids))
+
+    for m in MULTI.messages:
+        add(f"<|im_start|>{m['role']}\n", False)  # role header: never a target
+        if m["role"] == "assistant":
+            add(m["content"], True)
+            add("<|im_end|>", True)  # end of turn: a target
+            add("\n", False)
+        else:
+            add(f"{m['content']}<|im_end|>\n", False)
+    ex = tokenize_conversation(MULTI, tok)
+    assert ex.input_ids == tok.apply_chat_template(MULTI.messages, tokenize=True)["input_ids"]
+    assert ex.input_ids == ref_ids
+    assert ex.loss_mask == ref_mask
+
+
+def test_loss_mask_runs_are_assistant_turns(tok):
+    # default system prompt inserted by the template, odd whitespace, an empty assistant turn
+    conv = Conversation("w", [
+        {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": " 4\n"},
+        {"role": "user", "content": "and?"}, {"role": "assistant", "content": ""},
+    ])
+    ex = tokenize_conversation(conv, tok)
+    runs, cur = [], []
+    for t, m in zip(ex.input_ids + [None], ex.loss_mask + [False]):
+        if m:
+            cur.append(t)
+        elif cur:
+            runs.append(cur)
+            cur = []
+    assert [tok.decode(r) for r in runs] == [" 4\n<|im_end|>", "<|im_end|>"]
+    assert sum(t == IM_END for t in ex.input_ids) == 5 and ex.num_targets == sum(map(len, runs))
+
+
+def test_truncation_and_no_template(tok):
+    ex = tokenize_conversation(MULTI, tok, max_length=10)
+    assert len(ex.input_ids) == len(ex.loss_mask) == 10 and ex.num_targets == 0
+    plain = SimpleNamespace(chat_template=None, name_or_path="plain")
+    with pytest.raises(DataError, match="'plain' has no chat template"):
+        tokenize_conversation(MULTI, plain)
+
+
+# --------------------------------------------------------------------------- batching
+def examples(lengths):
+    return [Example(list(range(10 * i, 10 * i + n)), [j % 2 == 1 for j in range(n)], f"e{i}")
+            for i, n in enumerate(lengths)]
+
+
+def test_collate_right_pads():
+    b = collate(examples([3, 1]), pad_id=0)
+    assert isinstance(b, Batch) and b.shape == (2, 3)
+    assert b.input_ids.tolist() == [[0, 1, 2], [10, 0, 0]]
+    assert b.attention_mask.tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert b.loss_mask.tolist() == [[False, True, False], [False, False, False]]
+    assert b.loss_mask.dtype == torch.bool and b.attention_mask.dtype == torch.long
+    assert b.to("cpu").input_ids.device.type == "cpu"
+
+
+def first_ids(batch: Batch) -> list[int]:
+    return batch.input_ids[:, 0].tolist()
+
+
+def test_batch_iterator_epochs_and_resume():
+    exs = examples([2, 3, 4, 5, 6, 7, 8])
+    it = BatchIterator(exs, batch_size=3, pad_id=0, seed=5)
+    assert len(it) == 3
+    epoch0 = [first_ids(b) for b in it]
+    assert sorted(sum(epoch0, [])) == [10 * i for i in range(7)]  # each example once
+    epoch1 = [first_ids(b) for b in it]
+    assert epoch1 != epoch0 and it.state_dict()["epoch"] == 2
+    # an uninterrupted stream of 8 batches vs 4 + save/restore into a fresh iterator + 4
+    ref = BatchIterator(exs, 3, 0, seed=5)
+    full = [first_ids(next(ref)) for _ in range(8)]
+    a = BatchIterator(exs, 3, 0, seed=5)
+    got = [first_ids(next(a)) for _ in range(4)]
+    state = json.loads(json.dumps(a.state_dict()))  # survives a JSON checkpoint
+    assert state == {"epoch": 1, "index": 1, "seed": 5}
+    b = BatchIterator(exs, 3, 0, seed=5)
+    b.load_state_dict(state)
+    got += [first_ids(next(b)) for _ in range(4)]
+    assert got == full
+    assert [first_ids(x) for x in BatchIterator(exs, 3, 0, seed=6)] != epoch0
+
+
+def test_split_heldout():
+    convs = [Conversation(str(i), []) for i in range(20)]
+    train, held = split_heldout(convs, 0.25, seed=1)
+    assert len(held) == 5 and len(train) == 15
+    assert {c.id for c in train}.isdisjoint(c.id for c in held)
+    assert [c.id for c in split_heldout(convs, 0.25, seed=1)[1]] == [c.id for c in held]
+    assert len(split_heldout(convs, 3, seed=1)[1]) == 3
+    with pytest.raises(ValueError):
+        split_heldout(convs, 1.5)
+
+
+def test_token_counts_against_counter():
+    exs = examples([5, 7, 3])
+    ref = Counter(t for e in exs for t, m in zip(e.input_ids, e.loss_mask) if m)
+    counts = token_counts(exs, vocab_size=40)
+    assert counts.dtype == torch.long and counts.shape == (40,)
+    assert {i: int(c) for i, c in enumerate(counts) if c} == dict(ref)
+    with pytest.raises(ValueError, match="out of range"):
+        token_counts(exs, vocab_size=20)
+
+
+# --------------------------------------------------------------------------- regeneration
+@pytest.fixture
+def tiny_smol_target(tok):
+    from tests.conftest import tiny_llama
+    from vatspec.target import Target
+
+    return Target(tiny_llama(vocab_size=len(tok), hidden_size=16, layers=2), tok)
+
+
+def read_jsonl(p: Path) -> list[dict]:
+    return [json.loads(line) for line in p.read_text().splitlines()]
+
+
+PROMPTS = [
+    Conversation("c0", [{"role": "user", "content": "one"}]),
+    Conversation("c1", [{"role": "system", "content": "sys"}, {"role": "user", "content": "two"},
+                        {"role": "assistant", "content": "old answer"}, {"role": "user", "content": "more"}]),
+    Conversation("c2", [{"role": "user", "content": "three"}, {"role": "assistant", "content": "old"}]),
+    Conversation("c3", [{"role": "user", "content": "four four"}]),
+    Conversation("c4", [{"role": "user", "content": "five"}, {"role": "user", "content": "six"}]),
+]
+
+
+def test_regenerate_resumes_after_interruption(tmp_path, tiny_smol_target, caplog):
+    full = tmp_path / "full.jsonl"
+    st = regenerate(PROMPTS, tiny_smol_target, full, batch_size=2, max_new_tokens=3, progress=False)
+    assert st.conversations == 5 and st.turns == 7 and st.skipped_done == 0
+    recs = read_jsonl(full)
+    for r in recs:  # user turns kept, one fresh response per user turn, old answers gone
+        conv = next(c for c in PROMPTS if c.id == r["id"])
+        kept = [m for m in r["messages"] if m["role"] != "assistant"]
+        assert kept == [m for m in conv.messages if m["role"] != "assistant"]
+        roles = [m["role"] for m in r["messages"] if m["role"] != "system"]
+        assert roles == ["user", "assistant"] * (len(roles) // 2)
+        assert "old" not in json.dumps(r["messages"])
+    # interrupted run: two records, then half a line
+    lines = full.read_text().splitlines(keepends=True)
+    part = tmp_path / "part.jsonl"
+    write(part, lines[0] + lines[1] + lines[2][: len(lines[2]) // 2])
+    with caplog.at_level(logging.WARNING, logger="vatspec.data"):
+        st2 = regenerate(PROMPTS, tiny_smol_target, part, batch_size=2, max_new_tokens=3, progress=False)
+    assert "cut off a partial last line" in caplog.text
+    assert st2.skipped_done == 2 and st2.conversations == 3
+    ids = [r["id"] for r in read_jsonl(part)]  # every line parses
+    assert sorted(ids) == [c.id for c in PROMPTS]  # nothing missing, nothing twice
+    st3 = regenerate(PROMPTS, tiny_smol_target, part, batch_size=2, max_new_tokens=3, progress=False)
+    assert st3.conversations == 0 and st3.skipped_done == 5
+    assert len(load_conversations(part)) == 5
+
+
+class ScriptedModel(torch.nn.Module):
+    """Stands in for the HF model: ``generate`` appends a fixed reply per row, then padding."""
+
+    def __init__(self, replies: list[list[int]]):
+        super().__init__()
+        self.replies = replies
+        self.w = torch.nn.Parameter(torch.zeros(1))
+
+    def generate(self, input_ids, attention_mask, generation_config):
+        n = max(len(r) for r in self.replies)
+        tail = torch.full((input_ids.shape[0], n), generation_config.pad_token_id)
+        for i in range(input_ids.shape[0]):
+            r = self.replies[i % len(self.replies)]
+            tail[i, : len(r)] = torch.tensor(r)
+        return torch.cat([input_ids, tail], dim=1)
+
+
+def test_regenerate_stops_at_eos_and_strips_it(tmp_path, tok):
+    hello = tok("Hello world", add_special_tokens=False)["input_ids"]
+    model = ScriptedModel([hello + [IM_END], hello + hello])  # row 0 stops, row 1 runs out of budget
+    target = SimpleNamespace(tokenizer=tok, model=model, eos_token_ids=[IM_END], device=torch.device("cpu"))
+    convs = [Conversation("x", [{"role": "user", "content": "long prompt " * 3}]),
+             Conversation("y", [{"role": "user", "content": "hi"}])]
+    st = regenerate(convs, target, tmp_path / "o.jsonl", batch_size=2, max_new_tokens=2 * len(hello), progress=False)
+    recs = {r["id"]: r for r in read_jsonl(tmp_path / "o.jsonl")}  # longest prompt first: x is row 0
+    assert recs["x"]["messages"][-1]["content"] == "Hello world" and recs["x"]["meta"]["finish"] == ["stop"]
+    assert recs["y"]["messages"][-1]["content"] == "Hello worldHello world"
+    assert recs["y"]["meta"]["finish"] == ["length"]
+    assert st.new_tokens == len(hello) + 1 + 2 * len(hello) and st.truncated_turns == 1
+
+
+@pytest.mark.slow
+def test_regenerate_batched_equals_one_at_a_time_on_smollm2(tmp_path, default_target_path, one_thread):
+    from vatspec.target import Target
+
+    target = Target.from_pretrained(default_target_path)
+    convs = load_benchmark("mt_bench")[:3]
+    a = regenerate(convs, target, tmp_path / "a.jsonl", batch_size=3, max_new_tokens=12, progress=False)
+    b = regenerate(convs, target, tmp_path / "b.jsonl", batch_size=1, max_new_tokens=12, progress=False)
+    assert a.new_tokens == b.new_tokens > 0
+    ra = {r["id"]: r["messages"] for r in read_jsonl(tmp_path / "a.jsonl")}
+    rb = {r["id"]: r["messages"] for r in read_jsonl(tmp_path / "b.jsonl")}
+    assert ra == rb  # left padding changes nothing under greedy decoding
+
+
+# --------------------------------------------------------------------------- bundled sets
+def test_benchmark_counts():
+    assert list_benchmarks() == ["mt_bench", "humaneval", "gsm8k", "alpaca"]
+    counts = {n: len(load_benchmark(n)) for n in list_benchmarks()}
+    assert counts == {"mt_bench": 80, "humaneval": 164, "gsm8k": 1319, "alpaca": 100}
+    mt = load_benchmark("mt-bench", turns="all")
+    assert all(len(c.prompts()) == 2 and not c.has_assistant for c in mt)
+    assert all(len(c.prompts()) == 1 for c in load_benchmark("mt_bench"))
+    assert load_benchmark("gsm8k")[0].meta["answer"] == "18"
+    assert load_benchmark("humaneval")[0].id == "HumanEval/0"
+    assert (BENCH_DIR / "SOURCES.md").is_file()
+    with pytest.raises(KeyError, match="unknown benchmark"):
+        load_benchmark("nope")
+
+
+def raw_benchmark_prompts() -> set[str]:
+    """Every prompt text in the bundled benchmark files, read straight from the JSONL."""
+    out = set()
+    for name in ("mt_bench", "humaneval", "gsm8k", "alpaca"):
+        for line in (BENCH_DIR / f"{name}.jsonl").read_text().splitlines():
+            r = json.loads(line)
+            out.update(r.get("turns", []))
+            out.update(r[k] for k in ("prompt", "question") if k in r)
+            if "instruction" in r:
+                out.add(r["instruction"] + (f"\n\n{r['input']}" if r["input"] else ""))
+    return {" ".join(t.lower().split()) for t in out}
+
+
+def test_prepare_prompts_disjoint_from_benchmarks(tmp_path):
+    out = tmp_path / "p.jsonl"
+    convs = prepare_prompts(300, seed=3, out=out, sources=("alpaca",))
+    assert len(convs) == 300 and len({c.id for c in convs}) == 300
+    bench = raw_benchmark_prompts()
+    assert all(" ".join(p.lower().split()) not in bench for c in convs for p in c.prompts())
+    assert [c.id for c in load_conversations(out, require_assistant=False)] == [c.id for c in convs]
+    assert [c.id for c in prepare_prompts(300, seed=3, sources=("alpaca",))] == [c.id for c in convs]
+
+
+def test_prepare_prompts_drops_planted_benchmark_prompts():
+    mt = load_benchmark("mt_bench")[0].prompts()[0]
+    gsm = load_benchmark("gsm8k")[5].prompts()[0]
+    corpus = [
+        Conversation("same", [{"role": "user", "content": "  " + mt.upper() + "\n"}]),  # case, spaces
+        Conversation("inside", [{"role": "user", "content": f"Please solve: {gsm} Thanks!"}]),
+        Conversation("later", [{"role": "user", "content": "hello"}, {"role": "user", "content": mt}]),
+        Conversation("fine", [{"role": "user", "content": "Write a haiku about tea."}]),
+    ]
+    assert [c.id for c in prepare_prompts(1, seed=0, corpus=corpus)] == ["fine"]
+    with pytest.raises(DataError, match="only 1 eligible"):
+        prepare_prompts(2, seed=0, corpus=corpus)
+
+
+def test_cli_benchmarks_and_prepare_data(tmp_path, capsys):
+    from vatspec.cli import main
+
+    assert main(["benchmarks"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"mt_bench\s+80\s+2", out) and re.search(r"gsm8k\s+1319", out)
+    assert main(["prepare-data", "--n", "20", "--out", str(tmp_path / "p.jsonl"), "--sources", "alpaca"]) == 0
+    assert len(read_jsonl(tmp_path / "p.jsonl")) == 20
+
+
+@pytest.mark.slow
+def test_sharegpt_recovery_keeps_every_complete_record():
+    from vatspec.benchmarks import iter_sharegpt, sharegpt_path
+
+    info: dict = {}
+    recs = [r for _, r in iter_sharegpt(info=info)]
+    assert len(recs) > 0 and info["cut"] and info["dropped_chars"] > 0
+    for r in recs:  # complete: an id and a list of whole turns
+        assert isinstance(r["id"], str) and isinstance(r["conversations"], list)
+        assert all(isinstance(t["from"], str) and isinstance(t["value"], str) for t in r["conversations"])
+    # independent count: close the array after the last record that ends the (indented) file's items
+    text = sharegpt_path().read_text(encoding="utf-8")
+    end = text.rfind("\n  }") + len("\n  }")
+    assert len(json.loads(text[:end] + "\n]")) == len(recs)
+
+
+@pytest.mark.slow
+def test_prepare_prompts_with_sharegpt(tmp_path):
+    convs = prepare_prompts(200, seed=0, out=tmp_path / "p.jsonl")
+    assert {c.meta["source"] for c in convs} == {"sharegpt", "alpaca"}
+    bench = raw_benchmark_prompts()
+    assert all(" ".join(p.lower().split()) not in bench for c in convs for p in c.prompts())

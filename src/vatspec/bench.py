@@ -244,15 +244,19 @@ def _fmt(x: float, kind: str) -> str:
     return {"speedup": f"{x:.2f}×", "tau": f"{x:.2f}", "pct": f"{x:+.1f}%", "tps": f"{x:.1f}"}[kind]
 
 
-def markdown_table(results: dict, relative_to: str | None = None) -> str:
+def markdown_table(results: dict, relative_to: str | Mapping[str, str] | None = None) -> str:
     """The paper's table (method x benchmark: speedup and tau, then the average), a row of
-    relative change vs ``relative_to`` under every other method, and a throughput table that
-    puts the AR baseline next to HF ``generate()``."""
+    relative change under every method compared (``relative_to``: one baseline name for all, or
+    a mapping method -> its own baseline), and a throughput table that puts the AR baseline next
+    to HF ``generate()``."""
     summary, benches = results["summary"], list(results["benchmarks"])
     cols = [*benches, "average"]
     methods = [n for n in summary if n not in (AR, HF)]
-    if relative_to is not None and relative_to not in summary:
-        raise ValueError(f"--relative-to {relative_to!r}: no such method (have {', '.join(methods)})")
+    if isinstance(relative_to, str):
+        relative_to = {m: relative_to for m in methods if m != relative_to}
+    for base in (relative_to or {}).values():
+        if base not in summary:
+            raise ValueError(f"--relative-to {base!r}: no such method (have {', '.join(methods)})")
     cfg = results["config"]
     lines = [
         f"Speculative decoding at temperature {cfg['temperature']:g}, max_new_tokens {cfg['max_new_tokens']}, "
@@ -266,13 +270,13 @@ def markdown_table(results: dict, relative_to: str | None = None) -> str:
         row = summary[name]
         cells = [f"{_fmt(row[c].get('speedup'), 'speedup')} | {_fmt(row[c].get('tau'), 'tau')}" for c in cols]
         lines.append(f"| {DISPLAY.get(name, name)} | " + " | ".join(cells) + " |")
-        if relative_to is not None and name not in (AR, relative_to):
-            base = summary[relative_to]
+        if relative_to and name in relative_to:
+            base = summary[relative_to[name]]
             rel = [
                 " | ".join(_fmt(100 * (row[c][m] / base[c][m] - 1), "pct") for m in ("speedup", "tau"))
                 for c in cols
             ]
-            lines.append(f"| Δ vs {relative_to} | " + " | ".join(rel) + " |")
+            lines.append(f"| Δ vs {relative_to[name]} | " + " | ".join(rel) + " |")
     head = ["Benchmark", "prompts", "AR tok/s"]
     head += [f"{DISPLAY[HF]} tok/s", "AR / HF"] if HF in summary else []
     head += [f"{m} tok/s" for m in methods]
@@ -334,7 +338,9 @@ def plot(results: dict, out_dir: str | Path) -> list[Path]:
     return paths
 
 
-def write_report(results: dict, out_dir: str | Path, relative_to: str | None = None, plots: bool = True) -> dict:
+def write_report(
+    results: dict, out_dir: str | Path, relative_to: str | Mapping[str, str] | None = None, plots: bool = True
+) -> dict:
     """Write results.json, results.md and the plots; return {kind: path}."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -30,7 +30,8 @@ from vatspec.train import _build_arm, _pad_id, _tokenize, arm_step, shared_targe
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--drafter", default="eagle3", choices=["eagle3", "dflash"])
-    ap.add_argument("--data", help="conversations file (default: a prepared bundled corpus sample)")
+    ap.add_argument("--data", help="conversations file (default: 32 bundled prompts answered by the target, "
+                    "cached under $VATSPEC_HOME/demo like the demo's training set)")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--batch-size", type=int, default=2)
@@ -44,7 +45,13 @@ def main() -> None:
     torch.manual_seed(0)
     target = Target.default()
     tmp = Path(tempfile.mkdtemp())
-    data = args.data or str(D.prepare_prompts(64, seed=0, out=tmp / "prompts.jsonl"))
+    if args.data:
+        data = args.data
+    else:
+        from vatspec.demo import DemoSize, prepare_training_data
+        from vatspec.target import vatspec_home
+
+        data = str(prepare_training_data(target, DemoSize(prompts=32, regen_tokens=128), vatspec_home(), False)[0])
     baseline = args.drafter
     common = [f"data.train={data}", f"data.batch_size={args.batch_size}", f"data.max_length={args.max_length}",
               f"drafter.kind={args.drafter}", f"drafter.draft_vocab_size={args.draft_vocab}",

@@ -29,7 +29,11 @@ def _load(spec: str):
 
 
 def build_parser(available_only: bool = True) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="vatspec", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="vatspec",
+        description="Verification-Aware Training (VAT) for EAGLE-3 and DFlash drafters: data, training, "
+        "speculative decoding evaluation and export. `vatspec COMMAND --help` for each command.",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (spec, help_) in COMMANDS.items():
         mod = spec.partition(":")[0]

@@ -51,6 +51,7 @@ class DrafterConfig:
     # EAGLE-3
     draft_vocab_size: int = 32000
     ttt_steps: int = 7
+    init_lm_head: bool = False  # start lm_head / norm from the target's (draft-vocab rows) instead of random
     # DFlash
     num_layers: int = 1
     block_size: int = 16

@@ -53,6 +53,8 @@ def build_drafter(cfg, target, token_counts: Tensor | None = None):
         if token_counts is None:
             token_counts = torch.ones(target.vocab_size, dtype=torch.long)
         drafter.set_vocab(*build_draft_vocab(token_counts, conf.draft_vocab_size))
+        if cfg.init_lm_head:
+            init_lm_head_from_target(drafter, target)
         return drafter
     conf = conf_cls.from_target(
         target, num_layers=cfg.num_layers, block_size=cfg.block_size, target_layer_ids=layer_ids,
@@ -61,6 +63,19 @@ def build_drafter(cfg, target, token_counts: Tensor | None = None):
     drafter = cls(conf)
     drafter.attach_target(target)
     return drafter
+
+
+@torch.no_grad()
+def init_lm_head_from_target(drafter, target) -> None:
+    """EAGLE-3 option: copy the target's output rows of the draft vocabulary into ``lm_head`` and
+    the target's final norm into ``norm``, so the draft starts in the target's output space.
+    (The reference initialises both randomly; on a short CPU run this start learns much faster.)"""
+    rows = torch.arange(drafter.d2t.numel(), device=drafter.d2t.device) + drafter.d2t
+    drafter.lm_head.weight.copy_(target.lm_head.weight[rows.to(target.lm_head.weight.device)])
+    final_norm = getattr(getattr(target.model, "model", None), "norm", None)
+    gemma_style = str(getattr(target.config, "model_type", "")).startswith("gemma")  # (1 + w) norms
+    if final_norm is not None and not gemma_style and final_norm.weight.shape == drafter.norm.weight.shape:
+        drafter.norm.weight.copy_(final_norm.weight)
 
 
 def drafter_from_dict(kind: str, config: dict, target, *, source: str = "drafter.json"):

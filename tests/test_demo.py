@@ -1,0 +1,78 @@
+"""The main job, end to end at its --quick size (the CI smoke run), and the ablation command.
+
+These check the report's structure and that every figure is a real measured number; they do
+not check the direction of a result (at this scale VAT may or may not win)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import pytest
+
+from vatspec.demo import ARMS, SIZES, run_ablation, run_demo
+
+pytestmark = pytest.mark.slow
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def test_quick_demo_writes_a_complete_report(tmp_path):
+    out = tmp_path / "demo"
+    size = SIZES["quick"]
+    run_demo(out, size, progress=False)
+
+    for f in ["report.md", "demo.json", "training_curves.png", "eval/results.json", "eval/results.md",
+              "eval/tau.png", "eval/acceptance.png", *(f"config-{n}.yaml" for n in
+                                                        ("eagle3", "eagle3_vat", "dflash", "dflash_vat"))]:
+        assert (out / f).is_file() and (out / f).stat().st_size > 0, f
+    assert (out / "training_curves.png").read_bytes()[:4] == b"\x89PNG"
+
+    report = (out / "report.md").read_text()
+    assert "small-scale" in report and "A100" in report  # says what scale the paper used
+    for name in ARMS:
+        assert f"| {name} |" in report
+    assert report.count("| Δ vs EAGLE-3 |") == 1 and report.count("| Δ vs DFlash |") == 1
+
+    data = json.loads((out / "demo.json").read_text())
+    assert set(data["train_final"]) == set(ARMS)
+    for name, m in data["train_final"].items():
+        assert _finite(m["tau_sim"]) and 1.0 <= m["tau_sim"] <= size.ttt_steps + 1, name
+        assert m["chains"] > 0
+    benches = set(size.benches)
+    assert set(data["benchmarks"]) == benches
+    for name in ["ar", *ARMS]:
+        rows = data["decode"][name]
+        assert set(rows) == benches | {"average"}
+        for bench, r in rows.items():
+            assert _finite(r["tau"]) and r["tau"] >= 1.0, (name, bench)
+            assert _finite(r["speedup"]) and r["speedup"] > 0, (name, bench)
+            assert _finite(r["tokens_per_s"]) and r["tokens_per_s"] > 0, (name, bench)
+    assert data["decode"]["ar"]["average"]["tau"] == 1.0
+    for k in ("target", "data", "train", "eval", "total"):
+        assert _finite(data["timings_s"][k]) and data["timings_s"][k] >= 0
+    # T = 0 decoding is lossless (test_decode checks it strictly); here allow a rare float near-tie
+    runs = json.loads((out / "eval" / "results.json").read_text())["runs"]
+    checks = [r["matches_ar"] for name in ARMS for rs in runs[name].values() for r in rs]
+    assert checks and sum(checks) >= 0.9 * len(checks)
+
+
+def test_demo_refuses_a_foreign_folder(tmp_path):
+    (tmp_path / "keep.txt").write_text("mine")
+    with pytest.raises(SystemExit, match="not made by vatspec demo"):
+        run_demo(tmp_path, SIZES["quick"], progress=False)
+    assert (tmp_path / "keep.txt").read_text() == "mine"
+
+
+def test_ablation_table(tmp_path):
+    size = dataclasses.replace(SIZES["quick"], steps=2, eval_every=2)
+    res = run_ablation(tmp_path / "ab", size, "dflash", progress=False)
+    assert list(res) == ["baseline", "head only", "adaptive weights only", "soft+hard only", "all three (VAT)"]
+    table = (tmp_path / "ab" / "ablation.md").read_text()
+    for name in res:
+        assert f"| {name} |" in table
+        assert _finite(res[name]["tau_sim"])
+    assert "head_first_reject_mae" in res["head only"] and "head_first_reject_mae" not in res["baseline"]

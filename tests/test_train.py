@@ -160,3 +160,27 @@ def test_ddp_two_cpu_processes_hold_identical_weights(tiny_target_dir, data_file
     assert torch.equal(w0, w1)
     # and they moved away from the initialisation
     assert (tmp_path / "ddp" / "latest").exists()
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+def test_trained_drafter_decodes_losslessly_with_and_without_early_exit(tiny_target_dir, data_file, tmp_path, kind):
+    """T = 0 output equals HF generate() greedy for a VAT-trained drafter (head on), early exit on and off."""
+    from vatspec.checkpoint import load_draft
+    from vatspec.decode import generate
+    from vatspec.target import Target
+
+    cfg = _cfg(tiny_target_dir, data_file, tmp_path / "run", f"drafter.kind={kind}", "loss.kind=vat",
+               "train.steps=6", "optim.lr=1e-2", "drafter.mask_token_id=16")
+    train(cfg, progress=False)
+    target = Target.from_pretrained(tiny_target_dir)
+    drafter, head = load_draft(tmp_path / "run", target)
+    assert head is not None
+    tok = target.tokenizer
+    for text in ["Count from 3 to 8, please.", "Say hello.", "Count from 11 to 16, please."]:
+        ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                      return_tensors="pt", return_dict=True)["input_ids"]
+        ref = target.model.generate(ids, max_new_tokens=20, do_sample=False,
+                                    eos_token_id=target.eos_token_ids, pad_token_id=0)[0, ids.shape[1]:].tolist()
+        for threshold in (None, 0.5):
+            res = generate(target, ids[0].tolist(), drafter, head=head, exit_threshold=threshold, max_new_tokens=20)
+            assert res.tokens == ref, (text, threshold)

@@ -19,6 +19,25 @@ def tiny_llama(vocab_size: int = 96, hidden_size: int = 32, layers: int = 6, see
     return LlamaForCausalLM(cfg).eval()
 
 
+class StubTokenizer:
+    """What decoding and the drafters read from a tokenizer; tiny test models need no text."""
+
+    eos_token_id = None
+
+    def convert_ids_to_tokens(self, i: int) -> str:
+        return f"<{i}>"
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models gain nothing from intra-op threads, and on a shared machine they lose a lot.
+    Use with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture
 def tiny_target():
     from vatspec.target import Target

@@ -15,12 +15,7 @@ from vatspec.drafters.sampling import Proposal
 BOS = 1  # every test prompt starts with it, so the oracle below can rebuild the full sequence
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class OracleDrafter:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.conftest import StubTokenizer
 from vatspec.decode import GenerationResult, generate, greedy_verify, speculative_verify
 from vatspec.drafters.sampling import Proposal, warp_logits
 from vatspec.target import Target
@@ -22,25 +23,10 @@ ALPHA = 1e-3
 FEATURE_ATOL, FEATURE_RTOL = 1e-3, 1e-4  # a shifted position differs by O(1)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a shared machine they lose a lot."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # --------------------------------------------------------------------------- tiny targets
-class TinyTokenizer:
-    """What the loop and the drafters read from a tokenizer; the tiny models need no text."""
-
-    eos_token_id = None
-
-    def convert_ids_to_tokens(self, i: int) -> str:
-        return f"<{i}>"
-
-
 def tiny_target(vocab: int = 64, layers: int = 2, hidden: int = 32, seed: int = 0, init: float = 0.3) -> Target:
     """A random Llama with peaked next-token distributions (``init`` large), no EOS by default."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -52,7 +38,7 @@ def tiny_target(vocab: int = 64, layers: int = 2, hidden: int = 32, seed: int = 
         bos_token_id=None, eos_token_id=None, pad_token_id=None, tie_word_embeddings=False,
     )
     model = LlamaForCausalLM(cfg).eval()
-    return Target(model, TinyTokenizer())
+    return Target(model, StubTokenizer())
 
 
 def hf_greedy(target: Target, prompt: list[int], max_new_tokens: int) -> list[int]:

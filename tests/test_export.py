@@ -20,7 +20,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from tests.conftest import tiny_llama
+from tests.conftest import StubTokenizer, tiny_llama
 from vatspec.decode import generate
 from vatspec.drafters.base import AcceptHead
 from vatspec.drafters.dflash import DFlashConfig, DFlashDrafter
@@ -96,22 +96,7 @@ def read_export(out: Path) -> tuple[dict, dict]:
 
 
 # ----------------------------------------------------------------------------- fixtures
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a shared machine they lose a lot."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-class StubTokenizer:
-    """What decoding reads from a tokenizer (the tiny models need no text)."""
-
-    eos_token_id = None
-
-    def convert_ids_to_tokens(self, i: int) -> str:
-        return f"<{i}>"
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

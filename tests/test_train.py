@@ -184,3 +184,14 @@ def test_trained_drafter_decodes_losslessly_with_and_without_early_exit(tiny_tar
         for threshold in (None, 0.5):
             res = generate(target, ids[0].tolist(), drafter, head=head, exit_threshold=threshold, max_new_tokens=20)
             assert res.tokens == ref, (text, threshold)
+
+
+def test_cli_reports_bad_input_in_one_line(tmp_path, capsys):
+    from vatspec.cli import main
+
+    assert main(["train", f"data.train={tmp_path / 'missing.jsonl'}", f"train.out_dir={tmp_path / 'r'}"]) == 2
+    err = capsys.readouterr().err
+    assert "missing.jsonl: no such file or folder" in err and "Traceback" not in err
+    assert main(["train", "train.stepz=3"]) == 2
+    assert "unknown field 'train.stepz'" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()

@@ -459,10 +459,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from vatspec.data import DataError
+    from vatspec.target import TargetError
+
     try:
         cfg = load_config(args.config, args.overrides)
         metrics = train(cfg, resume=args.resume, init_from=args.init_from, progress=not args.no_progress)
-    except (ConfigError, TrainError, ckpt_io.CheckpointError) as e:
+    except (ConfigError, TrainError, ckpt_io.CheckpointError, DataError, TargetError) as e:
         print(f"vatspec train: error: {e}", file=sys.stderr)
         return 2
     if metrics:

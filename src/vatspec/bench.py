@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -401,6 +402,18 @@ def configure(parser) -> None:
 
 
 def run(args) -> int:
+    from vatspec.checkpoint import CheckpointError
+    from vatspec.data import DataError
+    from vatspec.target import TargetError
+
+    try:
+        return _run(args)
+    except (CheckpointError, DataError, TargetError) as e:
+        print(f"vatspec eval: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(args) -> int:
     from vatspec import data
     from vatspec.target import Target
 

@@ -225,11 +225,11 @@ def train_arms(cfgs: list[Config], *, resume: bool = False, init_from: str | Non
     # 1. data, shared by every arm
     if not base.data.train:
         raise TrainError("data.train is empty: name a conversations file (JSONL/JSON/HF dataset folder)")
+    convs = D.load_conversations(base.data.train, skip_bad=base.data.skip_bad)  # bad data fails before the model loads
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[base.target.dtype]
     if target is None:
         target = Target.load(base.target.path, dtype=dtype, device=device)
     tok = target.tokenizer
-    convs = D.load_conversations(base.data.train, skip_bad=base.data.skip_bad)
     if base.data.heldout:
         train_convs, held_convs = convs, D.load_conversations(base.data.heldout, skip_bad=base.data.skip_bad)
     else:

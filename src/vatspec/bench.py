@@ -355,12 +355,10 @@ def write_report(
 
 # --------------------------------------------------------------------------- command
 def load_drafter(path: str | Path, target):
-    """INTEGRATION POINT: a trained checkpoint (or run folder) -> ``(drafter, head | None)``.
+    """A training checkpoint, a run folder or an exported served draft -> ``(drafter, head | None)``."""
+    from vatspec.export import load_any_draft
 
-    Delegates to ``vatspec.checkpoint.load_draft``; everything checkpoint-specific lives there."""
-    from vatspec.checkpoint import load_draft
-
-    return load_draft(path, target)
+    return load_any_draft(path, target)
 
 
 def _parse_draft(spec: str) -> tuple[str, str]:

@@ -18,6 +18,7 @@ import os
 import random
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -123,6 +124,15 @@ def arm_step(model, drafter, batch, tout, plan, loss_cfg, generator) -> StepResu
     )
     metrics = chain_metrics(out, ver, head_logits, d2t=drafter.d2t)
     return StepResult(loss, parts, metrics)
+
+
+def arms_micro_step(arms, target, batch, generators) -> Iterator[StepResult]:
+    """One micro-batch for every arm: plans, one shared target pass, then each arm's step.
+    A generator, so the caller's backward frees one arm's graph before the next arm runs."""
+    plans = [plan_batch(a.drafter, batch, a.cfg.drafter, g) for a, g in zip(arms, generators)]
+    touts = shared_target_pass(target, batch, [a.drafter for a in arms], plans)
+    for a, t, p, g in zip(arms, touts, plans, generators):
+        yield arm_step(a.model, a.drafter, batch, t, p, a.loss_cfg, g)
 
 
 @dataclass
@@ -283,10 +293,7 @@ def train_arms(cfgs: list[Config], *, resume: bool = False, init_from: str | Non
             batch = next(batches).to(device)
             n_tokens += int(batch.attention_mask.sum())
             gens = [step_generator(base.train.seed, step, micro, rank) for _ in arms]
-            plans = [plan_batch(a.drafter, batch, a.cfg.drafter, g) for a, g in zip(arms, gens)]
-            touts = shared_target_pass(target, batch, [a.drafter for a in arms], plans)
-            for i, arm in enumerate(arms):
-                res = arm_step(arm.model, arm.drafter, batch, touts[i], plans[i], arm.loss_cfg, gens[i])
+            for i, res in enumerate(arms_micro_step(arms, target, batch, gens)):
                 (res.loss / accum).backward()
                 accs[i].add(res.metrics)
                 for k, v in res.parts.items():
@@ -394,10 +401,7 @@ def evaluate_arms(arms: list[Arm], target, examples, cfg: Config, device) -> lis
     for i in range(0, len(examples), bs):
         batch = D.collate(examples[i : i + bs], _pad_id(target)).to(device)
         gens = [step_generator(cfg.train.seed, -1, i, 0) for _ in arms]
-        plans = [plan_batch(a.drafter, batch, a.cfg.drafter, g) for a, g in zip(arms, gens)]
-        touts = shared_target_pass(target, batch, [a.drafter for a in arms], plans)
-        for j, arm in enumerate(arms):
-            res = arm_step(arm.model, arm.drafter, batch, touts[j], plans[j], arm.loss_cfg, gens[j])
+        for j, res in enumerate(arms_micro_step(arms, target, batch, gens)):
             accs[j].add(res.metrics)
             losses[j] += float(res.loss)
         n += 1

@@ -17,6 +17,7 @@ from vatspec.losses import (
     fixed_weights,
     hard_targets,
     soft_targets,
+    token_ce,
     vat_objective,
     vat_weights,
 )
@@ -316,3 +317,26 @@ def test_soft_targets_use_only_the_draft_vocab_and_strided_views():
     torch.testing.assert_close(p.sum(-1), torch.ones(p.shape[:-1]))  # renormalised over the draft vocab
     ids = torch.arange(4) + d2t
     torch.testing.assert_close(p, torch.softmax(out.target_logits[..., ids], -1))
+
+
+@pytest.mark.parametrize("terms", ["both", "soft", "hard"])
+def test_fused_token_ce_equals_the_plain_expression_with_gradients(terms):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 5, 11, dtype=torch.float64, generator=g, requires_grad=True)
+    p = torch.softmax(torch.randn(3, 5, 11, dtype=torch.float64, generator=g), -1)
+    labels = torch.randint(0, 11, (3, 5), generator=g)
+    ws, wh = torch.randn(3, 5, dtype=torch.float64, generator=g), torch.randn(3, 5, dtype=torch.float64, generator=g)
+    use_soft, use_hard = terms != "hard", terms != "soft"
+
+    logq = torch.log_softmax(x, -1)
+    hard_ref = -logq.gather(-1, labels[..., None])[..., 0]
+    ref = use_soft * (ws * -(p * logq).sum(-1)).sum() + use_hard * (wh * hard_ref).sum()
+    (g_ref,) = torch.autograd.grad(ref, x)
+
+    soft, hard = token_ce(x, p if use_soft else None, labels if use_hard else None)
+    assert (soft is None) != use_soft and (hard is None) != use_hard
+    got = (ws * soft).sum() if use_soft else 0
+    got = got + ((wh * hard).sum() if use_hard else 0)
+    (g_got,) = torch.autograd.grad(got, x)
+    assert torch.allclose(got, ref, atol=1e-12) and torch.allclose(g_got, g_ref, atol=1e-12)
+    assert torch.autograd.gradcheck(lambda z: token_ce(z, p, labels), (x,))

@@ -248,6 +248,51 @@ def soft_targets(target_logits: Tensor, d2t: Tensor | None) -> Tensor:
         return torch.softmax(cols.float(), dim=-1)
 
 
+class _TokenCE(torch.autograd.Function):
+    """Soft and hard CE of draft logits ``x [N, V]`` sharing one log-softmax ``logq``.
+
+    Forward: ``soft = -sum_v p_v logq_v`` (a batched dot, no [N, V] product), ``hard = -logq[label]``.
+    Backward in two [N, V] passes: with upstream grads gs, gh the grad w.r.t. logq is
+    ``G = -(gs p + gh onehot)``, and log-softmax's own fused backward gives
+    ``dx = G - softmax(x) sum(G) = (gs + gh) softmax(x) - gs p - gh onehot``.
+    Autograd on the plain expression would also write the product p * logq, a zero-filled scatter
+    for the gather and their sum: three more [N, V] passes, which is most of VAT's extra step time.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, p: Tensor | None, labels: Tensor | None):
+        logq = torch.log_softmax(x, dim=-1)
+        soft = -torch.einsum("nv,nv->n", p, logq) if p is not None else None
+        hard = -logq.gather(-1, labels[:, None]).squeeze(-1) if labels is not None else None
+        ctx.save_for_backward(logq, p, labels)
+        return soft, hard
+
+    @staticmethod
+    def backward(ctx, g_soft: Tensor | None, g_hard: Tensor | None):
+        logq, p, labels = ctx.saved_tensors
+        g = p * (-g_soft)[:, None] if p is not None and g_soft is not None else torch.zeros_like(logq)
+        if labels is not None and g_hard is not None:
+            g.scatter_add_(-1, labels[:, None], -g_hard[:, None])
+        return torch._log_softmax_backward_data(g, logq, -1, logq.dtype), None, None
+
+
+def token_ce(logits: Tensor, p: Tensor | None, labels: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
+    """Per-position soft CE to ``p`` and hard CE to ``labels`` of ``logits [..., V]`` (in fp32 or wider).
+
+    Returns ``(soft [...] or None, hard [...] or None)``; None where that input is None. Equal to
+    ``-(p * log_softmax(logits)).sum(-1)`` and ``-log_softmax(logits).gather(labels)``, gradients
+    included, but fused (``_TokenCE``).
+    """
+    shape = logits.shape[:-1]
+    V = logits.shape[-1]
+    dtype = torch.promote_types(logits.dtype, torch.float32)  # fp32 at least (bf16 logits are upcast)
+    x = logits.to(dtype).reshape(-1, V)
+    pf = p.to(dtype).reshape(-1, V) if p is not None else None
+    lf = labels.reshape(-1) if labels is not None else None
+    soft, hard = _TokenCE.apply(x, pf, lf)
+    return (soft.view(shape) if soft is not None else None, hard.view(shape) if hard is not None else None)
+
+
 def hard_targets(v: Verification, d2t: Tensor | None, t2d: Tensor | None, vocab_size: int) -> tuple[Tensor, Tensor]:
     """Hard labels in draft ids and the in-vocab mask, from the target argmax (detached).
 
@@ -305,19 +350,17 @@ def vat_objective(
     else:
         w = vat_weights(v, cfg.curve, decay=cfg.decay, gamma=cfg.gamma or 1.0)
 
-    # 2. token terms: one fp32 log-softmax of the draft logits serves both CEs
+    # 2. token terms: one fused soft + hard CE over a single fp32 log-softmax of the draft logits
     parts: dict[str, Tensor] = {}
     loss = out.logits.new_zeros((), dtype=torch.float32)
     if cfg.soft or cfg.hard:
-        logq = F.log_softmax(out.logits.float(), dim=-1)  # [..., K, Vd]
+        p_tilde = soft_targets(out.target_logits, d2t) if cfg.soft else None  # [..., K, Vd]
+        soft_ce, hard_ce = token_ce(out.logits, p_tilde, labels if cfg.hard else None)  # [..., K] each
+        del p_tilde
         if cfg.soft:
-            p_tilde = soft_targets(out.target_logits, d2t)  # [..., K, Vd]
-            soft_ce = -(p_tilde * logq).sum(-1)  # [..., K]
             parts["soft"] = _reduce(w * soft_ce, sup)
             loss = loss + parts["soft"]
-            del p_tilde
         if cfg.hard:
-            hard_ce = -logq.gather(-1, labels.unsqueeze(-1)).squeeze(-1)  # [..., K]
             parts["hard"] = _reduce(w * hard_ce, sup)
             loss = loss + parts["hard"]
 

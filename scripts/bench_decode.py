@@ -4,9 +4,11 @@
     .venv/bin/python scripts/bench_decode.py                          # AR vs HF generate
     .venv/bin/python scripts/bench_decode.py --draft eagle3=runs/x    # plus a trained drafter
     .venv/bin/python scripts/bench_decode.py --repeat 3 --max-new-tokens 128 --threads 2
+    .venv/bin/python scripts/bench_decode.py --bench gsm8k --bench mt_bench --num-prompts 10 --draft ...
 
 Prints tokens/s of each, the AR / HF ratio (>= 1 means our baseline is not slowed down), and
-for drafters tau and speedup; writes the full report with ``--out``.
+for drafters tau, speedup and where a round's time goes: drafting and verifying, each in units
+of one AR step, so ``speedup / tau ~= 1 / (draft + verify)``. Writes the full report with ``--out``.
 """
 
 from __future__ import annotations
@@ -33,7 +35,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target", default="default")
     ap.add_argument("--draft", action="append", default=[], metavar="NAME=PATH")
     ap.add_argument("--max-new-tokens", type=int, default=96)
-    ap.add_argument("--repeat", type=int, default=2, help="passes over the bundled prompts")
+    ap.add_argument("--repeat", type=int, default=2, help="passes over the prompts")
+    ap.add_argument("--bench", action="append", default=[], metavar="NAME",
+                    help="bundled benchmark prompts instead of the five built-in ones (repeatable)")
+    ap.add_argument("--num-prompts", type=int, default=5, help="first N prompts of each --bench")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--k", type=int, default=None)
@@ -48,11 +53,17 @@ def main(argv: list[str] | None = None) -> int:
     for spec in args.draft:
         name, _, path = spec.partition("=")
         methods[name] = load_drafter(path, target)
-    convs = [[{"role": "user", "content": p}] for p in PROMPTS] * args.repeat
+    if args.bench:
+        from vatspec.data import load_benchmark
+
+        convs = [c for b in args.bench for c in load_benchmark(b)[: args.num_prompts]] * args.repeat
+    else:
+        convs = [[{"role": "user", "content": p}] for p in PROMPTS] * args.repeat
     res = evaluate(target, methods, {"bundled": convs}, max_new_tokens=args.max_new_tokens,
                    warmup=args.warmup, k=args.k)
     s = res["summary"]
     ar, hf = s[AR]["bundled"], s[HF]["bundled"]
+    ar_step = (ar["draft_s"] + ar["verify_s"]) / ar["rounds"]  # one AR step (a round drafting nothing)
     print(f"device {args.device}, torch threads {torch.get_num_threads()}, {len(convs)} prompts, "
           f"max_new_tokens {args.max_new_tokens}, {ar['tokens']} tokens per method")
     print(f"{'method':<14} {'tok/s':>8} {'tau':>6} {'speedup':>8}")
@@ -60,8 +71,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'AR (ours)':<14} {ar['tokens_per_s']:8.1f} {1.0:6.2f} {1.0:7.2f}x")
     for name in methods:
         m = s[name]["bundled"]
+        draft, verify = (m[k] / m["rounds"] / ar_step for k in ("draft_s", "verify_s"))
         print(f"{name:<14} {m['tokens_per_s']:8.1f} {m['tau']:6.2f} {m['speedup']:7.2f}x"
-              f"   speedup/tau {m['speedup'] / m['tau']:.2f}")
+              f"   speedup/tau {m['speedup'] / m['tau']:.2f}   per round: draft {draft:.2f} + verify {verify:.2f}"
+              " AR steps")
+    print(f"one AR step: {ar_step * 1e3:.1f} ms")
     print(f"AR / HF tokens/s ratio: {ar['tokens_per_s'] / hf['tokens_per_s']:.3f}  "
           f"(outputs identical on {hf['matches_ar']}/{hf['prompts']} prompts)")
     if args.out:

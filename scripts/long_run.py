@@ -1,0 +1,61 @@
+"""A drafter's baseline vs the same drafter + VAT, trained in lockstep (one shared target pass per
+batch) for a few hundred steps on target-regenerated conversations: the longer CPU-sized runs
+behind docs/results.md.
+
+    .venv/bin/python scripts/long_run.py --drafter eagle3                     # 300 steps, ~30 min
+    .venv/bin/python scripts/long_run.py --drafter dflash --steps 400 --anchors 64
+
+Prints train and held-out tau_sim at every evaluation and the final metrics as JSON.
+"""
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from vatspec.demo import DemoSize, arm_configs, prepare_training_data
+from vatspec.target import Target, prepare_default_target, vatspec_home
+
+ARMS = {"eagle3": ["EAGLE-3", "EAGLE-3 + VAT"], "dflash": ["DFlash", "DFlash + VAT"]}
+
+
+def log(arm, record) -> None:
+    if "eval/tau_sim" in record:
+        print(arm.name, record["step"], "train tau_sim", round(record["train/tau_sim"], 3),
+              "held-out tau_sim", round(record["eval/tau_sim"], 3), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--drafter", choices=sorted(ARMS), default="eagle3")
+    ap.add_argument("--out", default=None, help="run folder (default runs/long-<drafter>)")
+    ap.add_argument("--prompts", type=int, default=256, help="regenerated training conversations")
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--eval-every", type=int, default=50)
+    ap.add_argument("--anchors", type=int, default=DemoSize.anchors, help="DFlash anchors per sequence")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="extra config overrides for both arms, e.g. optim.lr=1e-3 drafter.num_layers=2")
+    args = ap.parse_args()
+
+    from vatspec.train import train_arms
+
+    out = Path(args.out or f"runs/long-{args.drafter}")
+    lr = [float(s.split("=", 1)[1]) for s in args.set if s.startswith("optim.lr=")]
+    size = DemoSize(prompts=args.prompts, steps=args.steps, eval_every=args.eval_every, batch_size=4,
+                    max_length=192, anchors=args.anchors, eagle3_lr=lr[-1] if lr else DemoSize.eagle3_lr)
+    target = Target.from_pretrained(prepare_default_target())
+    t0 = time.time()
+    data, info = prepare_training_data(target, size, vatspec_home(), progress=False)
+    print("regenerated", info["new_tokens"], "new tokens in", round(time.time() - t0), "s", flush=True)
+    names = ARMS[args.drafter]
+    overrides = {n: [f"drafter.kind={args.drafter}", f"loss.kind={k}", *args.set]
+                 for n, k in zip(names, [args.drafter, "vat"])}
+    cfgs = arm_configs(names, size, data, out, loss_overrides=overrides)
+    finals = train_arms(cfgs, target=target, progress=False, on_log=log)
+    keys = ("tau_sim", "mean_first_reject", "post_reject_match", "acc")
+    print(json.dumps({c.train.out_dir: {k: f[k] for k in keys} for c, f in zip(cfgs, finals)}, indent=1))
+    print("total seconds", round(time.time() - t0))
+
+
+if __name__ == "__main__":
+    main()

@@ -4,6 +4,7 @@ behind docs/results.md.
 
     .venv/bin/python scripts/long_run.py --drafter eagle3                     # 300 steps, ~30 min
     .venv/bin/python scripts/long_run.py --drafter dflash --steps 400 --anchors 64
+    .venv/bin/python scripts/long_run.py --drafter eagle3 dflash --steps 450 --anchors 64   # 4 arms
 
 Prints train and held-out tau_sim at every evaluation and the final metrics as JSON.
 """
@@ -27,8 +28,9 @@ def log(arm, record) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--drafter", choices=sorted(ARMS), default="eagle3")
-    ap.add_argument("--out", default=None, help="run folder (default runs/long-<drafter>)")
+    ap.add_argument("--drafter", nargs="+", choices=sorted(ARMS), default=["eagle3"],
+                    help="one or both drafters; every arm shares each batch's target pass")
+    ap.add_argument("--out", default=None, help="run folder (default runs/long-<drafters>)")
     ap.add_argument("--prompts", type=int, default=256, help="regenerated training conversations")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--eval-every", type=int, default=50)
@@ -39,7 +41,7 @@ def main() -> None:
 
     from vatspec.train import train_arms
 
-    out = Path(args.out or f"runs/long-{args.drafter}")
+    out = Path(args.out or f"runs/long-{'-'.join(args.drafter)}")
     lr = [float(s.split("=", 1)[1]) for s in args.set if s.startswith("optim.lr=")]
     size = DemoSize(prompts=args.prompts, steps=args.steps, eval_every=args.eval_every, batch_size=4,
                     max_length=192, anchors=args.anchors, eagle3_lr=lr[-1] if lr else DemoSize.eagle3_lr)
@@ -47,9 +49,11 @@ def main() -> None:
     t0 = time.time()
     data, info = prepare_training_data(target, size, vatspec_home(), progress=False)
     print("regenerated", info["new_tokens"], "new tokens in", round(time.time() - t0), "s", flush=True)
-    names = ARMS[args.drafter]
-    overrides = {n: [f"drafter.kind={args.drafter}", f"loss.kind={k}", *args.set]
-                 for n, k in zip(names, [args.drafter, "vat"])}
+    names, overrides = [], {}
+    for kind in args.drafter:
+        for name, loss in zip(ARMS[kind], [kind, "vat"]):
+            names.append(name)
+            overrides[name] = [f"drafter.kind={kind}", f"loss.kind={loss}", *args.set]
     cfgs = arm_configs(names, size, data, out, loss_overrides=overrides)
     finals = train_arms(cfgs, target=target, progress=False, on_log=log)
     keys = ("tau_sim", "mean_first_reject", "post_reject_match", "acc")

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from tests.conftest import tiny_llama
-from vatspec.target import DEFAULT_WHEEL, Target, TargetError, default_gguf_path
+from vatspec.target import DEFAULT_WHEEL, SKINNY_ROWS, Target, TargetError, _linear, default_gguf_path
 
 
 def test_layer_id_is_output_of_that_decoder_layer(tiny_target):
@@ -107,3 +107,19 @@ def test_conversion_matches_gguf_greedy(default_target_path):
     g_model, g_tok = load_gguf_model()
     for text in PROMPTS:
         assert _greedy(t.model, t.tokenizer, text) == _greedy(g_model, g_tok, text)
+
+
+@pytest.mark.parametrize("shape", [(1, 24), (2, 24), (1, 7, 24), (8, 24), (SKINNY_ROWS + 1, 24)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_skinny_linear_equals_f_linear_with_grad(shape, bias):
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(300, 24, generator=g)
+    b = torch.randn(300, generator=g) if bias else None
+    x = torch.randn(*shape, generator=g, requires_grad=True)
+    ref = torch.nn.functional.linear(x, w, b)
+    got = _linear(x, w, b)
+    assert got.shape == ref.shape and got.is_contiguous()
+    assert torch.allclose(got, ref, atol=1e-5)
+    (gx,) = torch.autograd.grad(got.square().sum(), x)
+    (rx,) = torch.autograd.grad(ref.square().sum(), x)
+    assert torch.allclose(gx, rx, atol=1e-4)

@@ -283,20 +283,13 @@ def generate(
         x = block[:, : kd + 1]
         x[0, 0] = out[n - 1]
         x[0, 1:] = draft
-        tout = target(x, layer_ids=layer_ids, past_key_values=cache, use_cache=True, logits=sampling)
+        tout = target(x, layer_ids=layer_ids, past_key_values=cache, use_cache=True)
+        logits = tout.logits[0]  # [kd+1, V]
         if sampling:
-            p = warp_logits(tout.logits[0], temperature, top_k, top_p)  # [kd+1, V]
+            p = warp_logits(logits, temperature, top_k, top_p)  # [kd+1, V]
             a, new = speculative_verify(p, draft, q, generator)
         else:
-            # lm_head row by need: row 0 decides d_1; the other rows only when d_1 is accepted
-            # (with weak drafts most rounds end at d_1, and the [k+1, V] lm_head is a large part
-            # of a CPU verify pass)
-            h = tout.hidden[0]  # [kd+1, H] final-normed
-            logits = target.logits(h[:1])  # [1, V]
-            if kd > 0 and bool(logits[0].argmax() == draft[0]):
-                a, new = greedy_verify(torch.cat([logits, target.logits(h[1:])]), draft)
-            else:
-                a, new = greedy_verify(logits, draft[:0])
+            a, new = greedy_verify(logits, draft)
 
         # 4. commit the accepted drafts and the correction / bonus token; stop after an EOS
         c = a + 1

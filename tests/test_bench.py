@@ -133,6 +133,8 @@ def test_report_files(tiny, tmp_path):
     assert "| good |" in md and "| Δ vs poor |" in md and "| AR (same loop, no draft) | 1.00× | 1.00 |" in md
     assert md.count("Δ vs poor") == 1  # under "good" only, not under the baseline itself
     assert "AR / HF" in md
+    rounds = {m: sum(res["summary"][m][b]["rounds"] for b in res["benchmarks"]) for m in ("good", "poor")}
+    assert f"| good | {rounds['good']} |" in md and f"| poor | {rounds['poor']} |" in md  # per-round cost table
     for key in ("tau_plot", "hist_plot"):
         assert paths[key].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(ValueError, match="no such method"):

@@ -290,7 +290,28 @@ def markdown_table(results: dict, relative_to: str | Mapping[str, str] | None = 
             cells += [_fmt(hf, "tps"), f"{ar / hf:.2f}"]
         cells += [_fmt(summary[m][c]["tokens_per_s"], "tps") for m in methods]
         lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", *round_cost_table(summary, benches, methods)]
     return "\n".join(lines) + "\n"
+
+
+def round_cost_table(summary: dict, benches: Sequence[str], methods: Sequence[str]) -> list[str]:
+    """Where a round's time goes, pooled over benchmarks, in units of one AR step (a round that
+    drafts nothing): ``speedup / tau ~= 1 / (draft + verify)``, so this shows what keeps a method
+    from its tau."""
+    def pooled(name: str) -> tuple[float, float, int]:
+        rows = [summary[name][b] for b in benches]
+        return sum(r["draft_s"] for r in rows), sum(r["verify_s"] for r in rows), sum(r["rounds"] for r in rows)
+
+    d, v, n = pooled(AR)
+    ar_step = (d + v) / n
+    lines = [f"Per round, in AR steps (one AR step = {ar_step * 1e3:.1f} ms):", "",
+             "| Method | rounds | draft | verify | speedup / τ |", "|---|---:|---:|---:|---:|"]
+    for m in methods:
+        d, v, n = pooled(m)
+        avg = summary[m]["average"]
+        lines.append(f"| {m} | {n} | {d / n / ar_step:.2f} | {v / n / ar_step:.2f} | "
+                     f"{avg['speedup'] / avg['tau']:.2f} |")
+    return lines
 
 
 def plot(results: dict, out_dir: str | Path) -> list[Path]:

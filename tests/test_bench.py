@@ -9,7 +9,7 @@ import torch
 
 from tests.test_decode import tiny_target
 from vatspec import bench
-from vatspec.bench import AR, HF, evaluate, markdown_table, prompt_ids, run_order, write_report
+from vatspec.bench import AR, HF, _relative_to, evaluate, markdown_table, prompt_ids, run_order, write_report
 from vatspec.drafters.sampling import Proposal
 
 BOS = 1  # every test prompt starts with it, so the oracle below can rebuild the full sequence
@@ -200,3 +200,12 @@ def test_smollm2_ar_matches_hf_generate():
     res = evaluate(target, {}, {"chat": [conv]}, max_new_tokens=24, warmup=0, progress=False)
     s = res["summary"]
     assert s[HF]["chat"]["matches_ar"] == 1 and s[AR]["chat"]["tokens"] == s[HF]["chat"]["tokens"]
+
+
+def test_relative_to_specs():
+    methods = ["E", "E + VAT", "D", "D + VAT"]
+    assert _relative_to([], methods) is None
+    assert _relative_to(["E"], methods) == {"E + VAT": "E", "D": "E", "D + VAT": "E"}
+    assert _relative_to(["E + VAT=E", "D + VAT=D"], methods) == {"E + VAT": "E", "D + VAT": "D"}
+    with pytest.raises(SystemExit, match="no method 'X'"):
+        _relative_to(["X=E"], methods)

@@ -382,6 +382,20 @@ def load_drafter(path: str | Path, target):
     return load_any_draft(path, target)
 
 
+def _relative_to(specs: Sequence[str], methods: Sequence[str]) -> dict[str, str] | None:
+    """``["BASE"]`` -> every other method vs BASE; ``["M=BASE", ...]`` -> M vs BASE; both may mix."""
+    out: dict[str, str] = {}
+    for spec in specs:
+        method, sep, base = spec.rpartition("=")
+        if sep:
+            if method not in methods:
+                raise SystemExit(f"--relative-to {spec!r}: no method {method!r} (have {', '.join(methods)})")
+            out[method] = base
+        else:
+            out.update({m: base for m in methods if m != base and m not in out})
+    return out or None
+
+
 def _parse_draft(spec: str) -> tuple[str, str]:
     name, sep, path = spec.partition("=")
     if not sep:
@@ -411,7 +425,8 @@ def configure(parser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--exit-threshold", type=float, default=None, help="accept-head early exit")
     parser.add_argument("--no-head", action="store_true", help="ignore saved accept heads")
-    parser.add_argument("--relative-to", default=None, metavar="NAME", help="add Δ%% rows vs this method")
+    parser.add_argument("--relative-to", action="append", default=[], metavar="[METHOD=]BASE",
+                        help="add Δ%% rows vs BASE: under every method, or under METHOD only (repeatable)")
     parser.add_argument("--no-hf", action="store_true", help="skip the HF generate() baseline")
     parser.add_argument("--no-plots", action="store_true")
     parser.add_argument("--out", default="runs/eval", help="output folder")
@@ -459,7 +474,7 @@ def _run(args) -> int:
         top_p=args.top_p, draft_argmax=args.draft_argmax, hf_baseline=not args.no_hf,
     )
     results["config"]["drafts"] = dict(_parse_draft(s) for s in args.draft)
-    paths = write_report(results, args.out, args.relative_to, plots=not args.no_plots)
+    paths = write_report(results, args.out, _relative_to(args.relative_to, list(methods)), plots=not args.no_plots)
     print(paths["markdown"].read_text())
     print("wrote " + ", ".join(str(p) for p in paths.values()))
     return 0

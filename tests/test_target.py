@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from tests.conftest import tiny_llama
-from vatspec.target import DEFAULT_WHEEL, SKINNY_ROWS, Target, TargetError, _linear, default_gguf_path
+from vatspec.target import DEFAULT_WHEEL, SKINNY_ROWS, Target, TargetError, default_gguf_path, skinny_linear
 
 
 def test_layer_id_is_output_of_that_decoder_layer(tiny_target):
@@ -117,7 +117,7 @@ def test_skinny_linear_equals_f_linear_with_grad(shape, bias):
     b = torch.randn(300, generator=g) if bias else None
     x = torch.randn(*shape, generator=g, requires_grad=True)
     ref = torch.nn.functional.linear(x, w, b)
-    got = _linear(x, w, b)
+    got = skinny_linear(x, w, b)
     assert got.shape == ref.shape and got.is_contiguous()
     assert torch.allclose(got, ref, atol=1e-5)
     (gx,) = torch.autograd.grad(got.square().sum(), x)

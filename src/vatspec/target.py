@@ -209,17 +209,17 @@ class Target:
 
         Applies the model's final logit soft-capping where the architecture has one (Gemma).
         """
-        lg = _linear(hidden, self.lm_head.weight, self.lm_head.bias).float()
+        lg = skinny_linear(hidden, self.lm_head.weight, self.lm_head.bias).float()
         cap = getattr(self.config, "final_logit_softcapping", None)
         if cap:
             lg = torch.tanh(lg / cap) * cap
         return lg
 
 
-SKINNY_ROWS = 16  # up to this many rows, a CPU lm_head runs as weight @ x.T (see _linear)
+SKINNY_ROWS = 16  # up to this many rows, a CPU lm_head runs as weight @ x.T (see skinny_linear)
 
 
-def _linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+def skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """``F.linear(x, weight, bias)``, with a faster kernel for the few rows of a decode step on CPU.
 
     With few rows and a wide output (the lm_head: [V, H] = [49152, 576] on SmolLM2), ``F.linear``

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from vatspec.target import skinny_linear
+
 
 @dataclass
 class DraftOutput:
@@ -40,13 +42,21 @@ class DraftOutput:
         assert K >= 1 and self.valid.dtype == torch.bool
 
 
+class Linear(nn.Linear):
+    """``nn.Linear`` (same parameters and state_dict keys) whose few-row CPU products, a decode
+    step's, take the faster kernel of ``vatspec.target.skinny_linear``; training batches are unchanged."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return skinny_linear(x, self.weight, self.bias)
+
+
 class AcceptHead(nn.Module):
     """VAT's verification head: one dense layer on the draft's last hidden state -> logit of
     P(prefix still alive at this position). Training-only by default; never part of a served draft."""
 
     def __init__(self, hidden_size: int):
         super().__init__()
-        self.proj = nn.Linear(hidden_size, 1)
+        self.proj = Linear(hidden_size, 1)
 
     def forward(self, hidden: Tensor) -> Tensor:  # [..., H] -> [..., ]
         return self.proj(hidden).squeeze(-1)

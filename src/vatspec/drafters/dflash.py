@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from vatspec.drafters.base import AcceptHead, DraftOutput
+from vatspec.drafters.base import AcceptHead, DraftOutput, Linear
 from vatspec.drafters.sampling import Proposal, sample, warp_logits
 from vatspec.target import Target, TargetOutput
 
@@ -275,10 +275,10 @@ class DFlashAttention(nn.Module):
     def __init__(self, c: DFlashConfig):
         super().__init__()
         self.h, self.hkv, self.d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        self.q_proj = nn.Linear(c.hidden_size, self.h * self.d, bias=False)
-        self.k_proj = nn.Linear(c.hidden_size, self.hkv * self.d, bias=False)
-        self.v_proj = nn.Linear(c.hidden_size, self.hkv * self.d, bias=False)
-        self.o_proj = nn.Linear(self.h * self.d, c.hidden_size, bias=False)
+        self.q_proj = Linear(c.hidden_size, self.h * self.d, bias=False)
+        self.k_proj = Linear(c.hidden_size, self.hkv * self.d, bias=False)
+        self.v_proj = Linear(c.hidden_size, self.hkv * self.d, bias=False)
+        self.o_proj = Linear(self.h * self.d, c.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.d, c.rms_norm_eps)
         self.k_norm = RMSNorm(self.d, c.rms_norm_eps)
 
@@ -308,9 +308,9 @@ class DFlashAttention(nn.Module):
 class DFlashMLP(nn.Module):
     def __init__(self, c: DFlashConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+        self.gate_proj = Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = Linear(c.intermediate_size, c.hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -348,7 +348,7 @@ class DFlashDrafter(nn.Module):
         self.d2t = None  # identity: the draft vocabulary is the target's
         self.t2d = None
         self.layers = nn.ModuleList(DFlashDecoderLayer(c) for _ in range(c.num_layers))
-        self.fc = nn.Linear(len(c.target_layer_ids) * c.target_hidden_size, c.hidden_size, bias=False)
+        self.fc = Linear(len(c.target_layer_ids) * c.target_hidden_size, c.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         if c.mask_source == "learned":

@@ -41,7 +41,7 @@ import torch
 from torch import Tensor, nn
 from transformers.activations import ACT2FN
 
-from vatspec.drafters.base import AcceptHead, DraftOutput
+from vatspec.drafters.base import AcceptHead, DraftOutput, Linear
 from vatspec.drafters.sampling import Proposal, sample, warp_logits
 from vatspec.drafters.vocab import check_draft_vocab, target_ids
 
@@ -201,9 +201,9 @@ class RMSNorm(nn.Module):
 class MLP(nn.Module):
     def __init__(self, c: Eagle3Config):
         super().__init__()
-        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+        self.gate_proj = Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = Linear(c.intermediate_size, c.hidden_size, bias=False)
         self.act = ACT2FN[c.hidden_act]
 
     def forward(self, x: Tensor) -> Tensor:  # [..., H] -> [..., H]
@@ -248,10 +248,10 @@ class Attention(nn.Module):
         self.num_kv_heads = c.num_kv_heads
         self.groups = c.num_heads // c.num_kv_heads
         self.head_dim = c.head_dim
-        self.q_proj = nn.Linear(2 * c.hidden_size, c.num_heads * c.head_dim, bias=False)
-        self.k_proj = nn.Linear(2 * c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
-        self.v_proj = nn.Linear(2 * c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
-        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
+        self.q_proj = Linear(2 * c.hidden_size, c.num_heads * c.head_dim, bias=False)
+        self.k_proj = Linear(2 * c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
+        self.v_proj = Linear(2 * c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
+        self.o_proj = Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
 
     def qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x [B, T, 2H] -> q [B, nkv, g, T, hd] (RoPE), k [B, nkv, T, hd] (RoPE), v [B, nkv, T, hd].
@@ -345,10 +345,10 @@ class Eagle3Drafter(nn.Module):
         c = config
         self.config = c
         self.hidden_size = c.hidden_size
-        self.fc = nn.Linear(len(c.target_layer_ids) * c.target_hidden_size, c.hidden_size, bias=False)
+        self.fc = Linear(len(c.target_layer_ids) * c.target_hidden_size, c.hidden_size, bias=False)
         self.midlayer = DecoderLayer(c)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
+        self.lm_head = Linear(c.hidden_size, c.draft_vocab_size, bias=False)
         # Identity map over the first Vd ids until set_vocab installs the real one.
         self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
         t2d = torch.zeros(c.vocab_size, dtype=torch.bool)

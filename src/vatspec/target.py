@@ -225,8 +225,8 @@ def skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     With few rows and a wide output (the lm_head: [V, H] = [49152, 576] on SmolLM2), ``F.linear``
     runs a GEMV (1 row) or a small-M GEMM that this CPU does not spread over its cores; the same
     product as ``weight @ x.T`` streams the weight once over both cores. Measured on the 2-core
-    machine (docs/results.md): 1 row 11.1 ms -> 3.2 ms (padded to 2 rows), 8 rows 17.0 -> 7.1 ms,
-    7 rows 35.6 -> 8.8 ms. Same values up to float rounding (~1e-6; argmax ties aside).
+    machine (``scripts/bench_target_step.py``): 1 row 10.7 -> 4.0 ms (padded to 2 rows), 8 rows
+    16.8 -> 8.3 ms; 7 rows (a DFlash block) 36 -> 9 ms. Same values up to float rounding (~1e-6).
     """
     rows = x.numel() // x.shape[-1]
     if x.device.type != "cpu" or rows > SKINNY_ROWS or x.dtype != weight.dtype or not x.is_floating_point():

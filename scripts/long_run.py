@@ -14,10 +14,10 @@ import json
 import time
 from pathlib import Path
 
-from vatspec.demo import DemoSize, arm_configs, prepare_training_data
+from vatspec.demo import ARMS, DemoSize, arm_configs, prepare_training_data
 from vatspec.target import Target, prepare_default_target, vatspec_home
 
-ARMS = {"eagle3": ["EAGLE-3", "EAGLE-3 + VAT"], "dflash": ["DFlash", "DFlash + VAT"]}
+KINDS = sorted({kind for kind, _ in ARMS.values()})
 
 
 def log(arm, record) -> None:
@@ -28,7 +28,7 @@ def log(arm, record) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--drafter", nargs="+", choices=sorted(ARMS), default=["eagle3"],
+    ap.add_argument("--drafter", nargs="+", choices=KINDS, default=["eagle3"],
                     help="one or both drafters; every arm shares each batch's target pass")
     ap.add_argument("--out", default=None, help="run folder (default runs/long-<drafters>)")
     ap.add_argument("--prompts", type=int, default=256, help="regenerated training conversations")
@@ -42,19 +42,15 @@ def main() -> None:
     from vatspec.train import train_arms
 
     out = Path(args.out or f"runs/long-{'-'.join(args.drafter)}")
-    lr = [float(s.split("=", 1)[1]) for s in args.set if s.startswith("optim.lr=")]
     size = DemoSize(prompts=args.prompts, steps=args.steps, eval_every=args.eval_every, batch_size=4,
-                    max_length=192, anchors=args.anchors, eagle3_lr=lr[-1] if lr else DemoSize.eagle3_lr)
+                    max_length=192, anchors=args.anchors)
     target = Target.from_pretrained(prepare_default_target())
     t0 = time.time()
     data, info = prepare_training_data(target, size, vatspec_home(), progress=False)
     print("regenerated", info["new_tokens"], "new tokens in", round(time.time() - t0), "s", flush=True)
-    names, overrides = [], {}
-    for kind in args.drafter:
-        for name, loss in zip(ARMS[kind], [kind, "vat"]):
-            names.append(name)
-            overrides[name] = [f"drafter.kind={kind}", f"loss.kind={loss}", *args.set]
-    cfgs = arm_configs(names, size, data, out, loss_overrides=overrides)
+    overrides = {name: [f"drafter.kind={kind}", f"loss.kind={loss}", *args.set]
+                 for name, (kind, loss) in ARMS.items() if kind in args.drafter}
+    cfgs = arm_configs(list(overrides), size, data, out, loss_overrides=overrides)
     finals = train_arms(cfgs, target=target, progress=False, on_log=log)
     keys = ("tau_sim", "mean_first_reject", "post_reject_match", "acc")
     print(json.dumps({c.train.out_dir: {k: f[k] for k in keys} for c, f in zip(cfgs, finals)}, indent=1))

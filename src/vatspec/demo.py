@@ -109,8 +109,8 @@ def arm_configs(names: list[str], size: DemoSize, data_path: Path, runs_dir: Pat
     for name in names:
         kind, loss = ARMS.get(name, (None, None))
         extra = (loss_overrides or {}).get(name, [f"drafter.kind={kind}", f"loss.kind={loss}"])
-        if any(e == "drafter.kind=eagle3" for e in extra):
-            extra = [*extra, f"optim.lr={size.eagle3_lr}"]
+        if any(e == "drafter.kind=eagle3" for e in extra):  # the demo's lr first, so an explicit one wins
+            extra = [f"optim.lr={size.eagle3_lr}", *extra]
         cfgs.append(load_config(None, [*common, *extra, f"train.out_dir={runs_dir / _slug(name)}"]))
     return cfgs
 

@@ -15,6 +15,7 @@ each engine's convention when writing a served checkpoint.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import json
 import os
 import shutil
@@ -81,6 +82,9 @@ class Target:
         self.hidden_size: int = text_cfg.hidden_size
         self.vocab_size: int = model.get_output_embeddings().weight.shape[0]
         self._layers = _decoder_layers(model)
+        # transformers >= 5.2x names the KV-cache argument `cache` (and warns on `past_key_values`)
+        params = inspect.signature(model.model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
 
     # ----------------------------------------------------------------- loading
     @classmethod
@@ -184,12 +188,10 @@ class Target:
             self._layers[i].register_forward_hook(_capture(captured, i)) for i in dict.fromkeys(layer_ids)
         ]
         try:
+            cache = {self._cache_kw: past_key_values} if past_key_values is not None else {}
             out = self.model.model(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                past_key_values=past_key_values,
-                use_cache=use_cache,
+                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                use_cache=use_cache, **cache,
             )
         finally:
             for h in hooks:
@@ -200,7 +202,10 @@ class Target:
         if logits:
             h = hidden[logits_at] if logits_at is not None else hidden
             lg = self.logits(h)
-        return TargetOutput(lg, hidden, feats, out.past_key_values if use_cache else None)
+        kv = None
+        if use_cache:
+            kv = out.cache if hasattr(out, "cache") else out.past_key_values
+        return TargetOutput(lg, hidden, feats, kv)
 
     __call__ = forward
 

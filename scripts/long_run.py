@@ -3,7 +3,7 @@ batch) for a few hundred steps on target-regenerated conversations: the longer C
 behind docs/results.md.
 
     .venv/bin/python scripts/long_run.py --drafter eagle3                     # 300 steps, ~30 min
-    .venv/bin/python scripts/long_run.py --drafter dflash --steps 400 --anchors 64
+    .venv/bin/python scripts/long_run.py --drafter dflash --prompts 512 --steps 600 --anchors 64  # ~1 h
     .venv/bin/python scripts/long_run.py --drafter eagle3 dflash --steps 450 --anchors 64   # 4 arms
 
 Prints train and held-out tau_sim at every evaluation and the final metrics as JSON.

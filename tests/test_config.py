@@ -14,6 +14,13 @@ def test_defaults_yaml_then_overrides(tmp_path):
     assert Config().train.steps == 0  # defaults untouched (frozen dataclasses)
 
 
+def test_kind_shorthands():
+    # `vatspec train drafter=dflash loss=vat`, as in SpecForge-style launchers
+    cfg = load_config(None, ["drafter=dflash", "loss=vat"])
+    assert cfg.drafter.kind == "dflash" and cfg.loss.kind == "vat"
+    assert cfg == load_config(None, ["drafter.kind=dflash", "loss.kind=vat"])
+
+
 def test_saved_config_round_trips(tmp_path):
     cfg = load_config(None, ["train.steps=9", "optim.betas=[0.8,0.9]", "drafter.target_layer_ids=[0,4]"])
     import yaml
@@ -33,6 +40,9 @@ def test_saved_config_round_trips(tmp_path):
         ("data.skip_bad=3", "data.skip_bad expects true/false"),
         ("optim.betas=[0.9]", "optim.betas expects 2 values"),
         ("train.steps", "expected section.field=value"),
+        ("train=5", "expected section.field=value"),
+        ("drafter=medusa", "drafter.kind 'medusa' is not one of eagle3, dflash"),
+        ("loss=focal", "LossConfig.kind must be one of"),
     ],
 )
 def test_bad_overrides_fail_loudly(override, message):

@@ -58,6 +58,12 @@ class DrafterConfig:
     num_anchors: int = 512  # anchors (blocks) per sequence
     mask_token_id: int | None = None  # None = pick an unused target id, else a learned row
 
+    def __post_init__(self):
+        from vatspec.drafters import DRAFTERS
+
+        if self.kind not in DRAFTERS:
+            raise ValueError(f"drafter.kind {self.kind!r} is not one of {', '.join(DRAFTERS)}")
+
 
 @dataclass(frozen=True)
 class OptimConfig:
@@ -94,7 +100,10 @@ class Config:
 
 # ----------------------------------------------------------------------------- loading
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Defaults <- YAML file <- ``section.field=value`` overrides, each checked."""
+    """Defaults <- YAML file <- ``section.field=value`` overrides, each checked.
+
+    ``drafter=dflash`` and ``loss=vat`` are shorthands for ``drafter.kind=...`` / ``loss.kind=...``.
+    """
     cfg = Config()
     if path:
         path = Path(path)
@@ -109,9 +118,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         cfg = merge(cfg, data, source=str(path))
     for item in overrides:
         key, sep, raw = item.partition("=")
+        key = key.strip()
+        if sep and "." not in key and hasattr(getattr(cfg, key, None), "kind"):
+            key += ".kind"  # `drafter=dflash`, `loss=vat`: shorthand for the section's kind
         if not sep or "." not in key:
-            raise ConfigError(f"override {item!r}: expected section.field=value")
-        section, _, name = key.strip().partition(".")
+            raise ConfigError(f"override {item!r}: expected section.field=value (or drafter=KIND, loss=KIND)")
+        section, _, name = key.partition(".")
         value = yaml.safe_load(raw) if raw.strip() else ""
         cfg = merge(cfg, {section: {name: value}}, source=f"override {item!r}")
     return cfg

@@ -59,10 +59,9 @@ class DrafterConfig:
     mask_token_id: int | None = None  # None = pick an unused target id, else a learned row
 
     def __post_init__(self):
-        from vatspec.drafters import DRAFTERS
+        from vatspec.drafters import check_kind
 
-        if self.kind not in DRAFTERS:
-            raise ValueError(f"drafter.kind {self.kind!r} is not one of {', '.join(DRAFTERS)}")
+        check_kind(self.kind, "DrafterConfig")
 
 
 @dataclass(frozen=True)

@@ -21,9 +21,13 @@ DRAFTERS: dict[str, tuple[str, str, str]] = {
 }
 
 
-def _classes(kind: str, source: str = "drafter.kind"):
+def check_kind(kind: str, source: str = "drafter.kind") -> None:
     if kind not in DRAFTERS:
-        raise ValueError(f"{source}: unknown drafter kind {kind!r} (known: {', '.join(DRAFTERS)})")
+        raise ValueError(f"{source}: drafter.kind {kind!r} is not one of {', '.join(DRAFTERS)}")
+
+
+def _classes(kind: str, source: str = "drafter.kind"):
+    check_kind(kind, source)
     mod, cls, cfg = DRAFTERS[kind]
     module = importlib.import_module(mod)
     return getattr(module, cls), getattr(module, cfg)

@@ -29,7 +29,7 @@ ATOL = 1e-5
 # weight); one that must reach it moves it far more than float32 noise
 SAME, MOVED = 1e-6, 1e-5
 V, VD, K, T = 96, 48, 4, 16  # target vocab, draft vocab, TTT steps, sequence length
-TK = T - K  # chain starts kept by training_forward
+TK = T - 2  # chain starts kept by training_forward: every t whose step-0 label x_{t+2} exists
 
 SERVED = {
     "fc.weight",
@@ -194,17 +194,46 @@ def test_training_forward_shapes_views_and_hidden(drafter: Eagle3Drafter, target
     H = drafter.hidden_size
     assert out.logits.shape == (2, TK, K, VD) and out.hidden.shape == (2, TK, K, H)
     assert out.target_logits.shape == (2, TK, K, V) and out.valid.shape == (2, TK, K)
-    # target_logits is a view: same storage, [b, t, i] = logits[b, t + 1 + i]
-    assert out.target_logits.untyped_storage().data_ptr() == tout.logits.untyped_storage().data_ptr()
+    # [b, t, i] = logits[b, t + 1 + i] wherever that row exists (later rows are padding, never valid)
     for t in range(TK):
         for i in range(K):
-            assert torch.equal(out.target_logits[:, t, i], tout.logits[:, t + 1 + i])
+            if t + 1 + i < T:
+                assert torch.equal(out.target_logits[:, t, i], tout.logits[:, t + 1 + i])
+    # a view of at most one padded copy of the logits' T + K - 3 rows, never a [B, T', K, V] gather
+    rows = 2 * (T + K - 3) * V * tout.logits.element_size()
+    assert out.target_logits.untyped_storage().nbytes() <= rows
     # hidden is the post-norm state the lm_head reads
     assert torch.allclose(drafter.lm_head(out.hidden), out.logits, atol=ATOL)
-    # all supervised: only the last chain's last label (position T) is out of range
-    want = torch.ones(2, TK, K, dtype=torch.bool)
-    want[:, TK - 1, K - 1] = False
+    # all supervised: step i of chain t is valid iff its label position t + 2 + i is inside the sequence
+    want = torch.zeros(2, TK, K, dtype=torch.bool)
+    for t in range(TK):
+        for i in range(K):
+            want[:, t, i] = t + 2 + i < T
     assert torch.equal(out.valid, want)
+    assert out.valid[:, :, 0].all()  # every chain start, the last one (t = T - 3, label T - 1) included
+
+
+def test_every_supervised_label_gets_a_step0_chain(drafter: Eagle3Drafter, target: Target):
+    """Each supervised token that the draft can predict (it has two real tokens before it: the
+    feature position and the teacher-forced token) is step 0 of exactly one valid chain, the tail
+    of the sequence (its end-of-turn tokens) included."""
+    batch = make_batch(B=3)
+    am, lm = batch["attention_mask"], batch["loss_mask"]
+    am[1, 12:] = False  # right padding
+    lm[:, :4] = False  # the prompt
+    lm[2, 7] = False  # a hole in the supervised span
+    lm &= am
+    out, _ = run(drafter, target, batch)
+    want = set()  # (b, label position)
+    for b in range(3):
+        for s in range(2, T):
+            if am[b, s] and lm[b, s] and am[b, s - 1] and am[b, s - 2]:
+                want.add((b, s))
+    got = set()
+    for b, t in out.valid[:, :, 0].nonzero().tolist():
+        got.add((b, t + 2))  # step 0 of chain t predicts the token at t + 2
+    assert got == want, f"labels without a step-0 chain: {sorted(want - got)}; extra: {sorted(got - want)}"
+    assert {(0, T - 1), (2, T - 1), (1, 11)} <= want  # the last real token of every sequence is supervised
 
 
 def test_valid_is_the_prefix_of_supervised_labels(drafter: Eagle3Drafter, target: Target):
@@ -232,9 +261,13 @@ def test_batch_may_be_an_object_and_bad_input_fails(drafter: Eagle3Drafter, targ
     assert torch.equal(out.logits, out2.logits)
     with pytest.raises(ValueError, match="loss_mask"):
         drafter.training_forward({k: v for k, v in batch.items() if k != "loss_mask"}, tout)
-    with pytest.raises(ValueError, match="must exceed ttt_steps"):
-        short = {k: v[:, :K] for k, v in batch.items()}
-        drafter.training_forward(short, TargetOutput(tout.logits[:, :K], tout.hidden, tout.features[:, :K]))
+    with pytest.raises(ValueError, match="at least 3"):
+        short = {k: v[:, :2] for k, v in batch.items()}
+        drafter.training_forward(short, TargetOutput(tout.logits[:, :2], tout.hidden, tout.features[:, :2]))
+    # shorter than the unroll is fine: 3 tokens give one chain whose step 0 alone has a label
+    short = {k: v[:, :3] for k, v in batch.items()}
+    out3 = drafter.training_forward(short, TargetOutput(tout.logits[:, :3], tout.hidden, tout.features[:, :3]))
+    assert out3.valid.shape == (2, 1, K) and out3.valid[:, 0].tolist() == [[True] + [False] * (K - 1)] * 2
     with pytest.raises(ValueError, match="features"):
         drafter.training_forward(batch, TargetOutput(tout.logits, tout.hidden, tout.features[..., :-1]))
 
@@ -324,15 +357,19 @@ def test_gradients_reach_the_draft_not_the_embedding(target: Target):
 # ----------------------------------------------------------------------------- inference session
 def test_session_equals_training_unroll(drafter: Eagle3Drafter, target: Target):
     """Context ending at t, then the chain fed x_{t+2}.. (teacher forcing): step i of the session
-    must give training_forward's logits[t, i] (its 'diagonal' keys are the session's own drafts)."""
+    must give training_forward's logits[t, i] (its 'diagonal' keys are the session's own drafts).
+    The tail chains (t + K >= T) are checked on the steps whose inputs exist: the padding the
+    unroll reads past the sequence end must not reach them."""
     batch = make_batch(B=1)
     out, tout = run(drafter, target, batch)
     ids, f = batch["input_ids"][0], tout.features[0]
     for t in range(TK):
         s = drafter.new_session()
         s.extend(f[: t + 1], ids[1 : t + 2])  # tokens[j] follows position j
-        got = s.teacher_forced(ids[t + 2 : t + K + 1])  # [K, Vd]
-        assert torch.allclose(got, out.logits[0, t], atol=ATOL), t
+        got = s.teacher_forced(ids[t + 2 : t + K + 1])  # [min(K, T - 1 - t), Vd]
+        n = got.shape[0]
+        assert n == min(K, T - 1 - t)
+        assert torch.allclose(got, out.logits[0, t, :n], atol=ATOL), t
 
 
 def test_session_incremental_extend_drops_speculative_keys(drafter: Eagle3Drafter, target: Target):

@@ -440,12 +440,17 @@ class Eagle3Drafter(nn.Module):
         tout:  ``TargetOutput`` with ``features`` [B, T, n*H_t] of ``target_layer_ids`` and
                full ``logits`` [B, T, V].
 
-        Returns a ``DraftOutput`` over chains t = 0 .. T' - 1, T' = T - K (K = ``ttt_steps``), the
-        chain starts whose K target distributions all exist, so ``target_logits`` is a pure view:
+        Returns a ``DraftOutput`` over chains t = 0 .. T' - 1, T' = T - 2: every chain start whose
+        step-0 label x_{t+2} exists, so each supervised token (the end-of-turn tokens at the end of a
+        sequence included) is step 0 of one chain. Steps whose label would lie past the sequence
+        end (t + 2 + i >= T, the last K - 2 chains) are computed on padding and are invalid.
           logits        [B, T', K, Vd]  draft logits (the draft's dtype)
           hidden        [B, T', K, H]   the *post-norm* final hidden state (what lm_head and the
                                         accept head read)
-          target_logits [B, T', K, V]   view of ``tout.logits``: [b, t, i] = logits[b, t + 1 + i]
+          target_logits [B, T', K, V]   [b, t, i] = logits[b, t + 1 + i] where t + 1 + i < T, zeros
+                                        past the end: a strided view (K <= 2: of ``tout.logits``
+                                        itself; else of one copy of its rows 1.. padded with K - 2
+                                        zero rows, i.e. [B, T + K - 3, V], never [B, T', K, V])
           valid         [B, T', K]      prefix mask (cumprod over i) of: indexes t and t+1 are real
                                         tokens, label position t+2+i < T, attention_mask and
                                         loss_mask true there
@@ -457,9 +462,12 @@ class Eagle3Drafter(nn.Module):
         am = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
         lm = _field(batch, "loss_mask").bool()
         K = self.config.ttt_steps
-        Tk = T - K  # chains kept
-        if Tk < 1:
-            raise ValueError(f"training_forward: sequence length {T} must exceed ttt_steps={K}")
+        Tc = T - 2  # chain starts t with a step-0 label x_{t+2}
+        if Tc < 1:
+            raise ValueError(
+                f"training_forward: sequence length {T} must be at least 3 (chain t reads f_t and x_t+1 "
+                "and predicts x_t+2)"
+            )
         feats, logits_t = tout.features, tout.logits
         n_feat = len(self.target_layer_ids) * self.config.target_hidden_size
         if feats is None or tuple(feats.shape) != (B, T, n_feat):
@@ -472,29 +480,39 @@ class Eagle3Drafter(nn.Module):
 
         dev = self.fc.weight.device
         am, lm, input_ids = am.to(dev), lm.to(dev), input_ids.to(dev)
-        # 1. inputs: h_0 = fc(f_t); step i at index t reads x_{t+1+i} = emb[:, t+i]
-        h = self.fc(feats[:, :Tk].to(device=dev, dtype=self.fc.weight.dtype))  # [B, T', H]
-        emb = self.embed(input_ids[:, 1:])  # [B, T-1, H]
+        pad = max(0, K - 2)  # rows read past the sequence end: step K - 1 of chain T' - 1 reads x_{T+K-3}
+        # 1. inputs: h_0 = fc(f_t); step i at index t reads x_{t+1+i} = emb[:, t+i]. Past x_{T-1} the
+        # embedding is zero; only (t, i) with t + 1 + i >= T read it, and those are invalid, as is
+        # everything that sees them: their keys (steps >= 1) are seen only by later steps of the
+        # same chain (the diagonal), and step 0, whose keys every later index sees, never reads padding.
+        h = self.fc(feats[:, :Tc].to(device=dev, dtype=self.fc.weight.dtype))  # [B, T', H]
+        emb = torch.nn.functional.pad(self.embed(input_ids[:, 1:]), (0, 0, 0, pad))  # [B, T-1+pad, H]
         # 2. step-0 keys: causal over real tokens; a query always sees its own key (no empty rows)
-        idx = torch.arange(Tk, device=dev)
+        idx = torch.arange(Tc, device=dev)
         causal = idx[None, :] <= idx[:, None]  # [T'(query), T'(key)]
         own = idx[None, :] == idx[:, None]
-        visible = causal & (am[:, None, :Tk] | own)  # [B, T', T']
+        visible = causal & (am[:, None, :Tc] | own)  # [B, T', T']
         attend = _UnrollAttend(visible[:, None, None])  # [B, 1, 1, T', T']
         # 3. unroll: the pre-norm output is the next step's h
         logits, hidden = [], []
         for i in range(K):
             cos, sin = self._rope(idx + i)  # RoPE position t + i
-            h = self.midlayer(emb[:, i : i + Tk], h, cos, sin, attend)
+            h = self.midlayer(emb[:, i : i + Tc], h, cos, sin, attend)
             hn = self.norm(h)
             hidden.append(hn)
             logits.append(self.lm_head(hn))
-        # 4. targets and supervision, aligned to [b, t, i]
-        target_logits = logits_t[:, 1:].unfold(1, K, 1).transpose(-1, -2)  # [B, T', K, V], a view
+        # 4. targets and supervision, aligned to [b, t, i]. Rows t + 1 + i run to T + K - 3, K - 2 past
+        # the end: a strided view cannot reach past its storage, so for K > 2 the rows are copied
+        # once with zero padding ([B, T + K - 3, V], the logits' own size plus K - 2 rows); zeros,
+        # not -inf, keep the unused softmaxes finite (a NaN there would reach the gradient).
+        rows = logits_t[:, 1:]  # [B, T-1, V]
+        if pad:
+            rows = torch.nn.functional.pad(rows, (0, 0, 0, pad))  # [B, T-1+pad, V]
+        target_logits = rows.unfold(1, K, 1)[:, :Tc].transpose(-1, -2)  # [B, T', K, V], a view of rows
         with torch.no_grad():
-            sup = torch.nn.functional.pad(am & lm, (0, 1), value=False)  # [B, T+1], sup[T] = out of range
+            sup = torch.nn.functional.pad(am & lm, (0, K - 1), value=False)  # [B, T+K-1], out of range = False
             label_ok = sup[:, 2:].unfold(1, K, 1)  # [B, T', K]: sup at t + 2 + i
-            start_ok = am[:, :Tk] & am[:, 1 : Tk + 1]  # [B, T']: f_t and x_{t+1} are real
+            start_ok = am[:, :Tc] & am[:, 1 : Tc + 1]  # [B, T']: f_t and x_{t+1} are real
             valid = (start_ok[..., None] & label_ok).long().cumprod(-1).bool()
         return DraftOutput(
             logits=torch.stack(logits, dim=2),

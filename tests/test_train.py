@@ -79,6 +79,46 @@ def test_resume_reproduces_uninterrupted_losses(tiny_target_dir, data_file, tmp_
     assert a == pytest.approx(b, rel=1e-6, abs=1e-7)
 
 
+def test_step_generator_keeps_the_cpu_stream():
+    from vatspec.train import step_generator
+
+    # seed 1, step 2, micro 3, rank 0 -> 1 * 1_000_003 + 2 * 1_009 + 3 * 101 + 0 = 1_002_324
+    ref = torch.rand(5, generator=torch.Generator().manual_seed(1_002_324))
+    assert torch.equal(torch.rand(5, generator=step_generator(1, 2, 3, 0)), ref)
+    g = step_generator(1, 2, 3, 0, device=torch.device("cpu"))
+    assert g.device == torch.device("cpu") and torch.equal(torch.rand(5, generator=g), ref)
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+def test_sampled_verification_gets_a_generator_on_the_training_device(
+    tiny_target_dir, data_file, tmp_path, monkeypatch, kind
+):
+    """loss.verify=sampled draws with the step generator: it must be made on the device the batch and
+    logits live on (CUDA refuses a CPU generator). On a CPU-only machine the spies check that the loop
+    asks for the training device; on a GPU machine the run itself is the check."""
+    import vatspec.train as T
+
+    asked, seen = [], []
+    real_gen, real_verify = T.step_generator, T.simulate_verification
+
+    def gen_spy(*args, **kw):
+        asked.append(kw.get("device"))
+        return real_gen(*args, **kw)
+
+    def verify_spy(draft_logits, target_logits, valid=None, **kw):
+        seen.append((kw["generator"].device, draft_logits.device))
+        return real_verify(draft_logits, target_logits, valid, **kw)
+
+    monkeypatch.setattr(T, "step_generator", gen_spy)
+    monkeypatch.setattr(T, "simulate_verification", verify_spy)
+    cfg = _cfg(tiny_target_dir, data_file, tmp_path / "r", f"drafter.kind={kind}", "loss.kind=vat",
+               "loss.verify=sampled", "train.steps=1")
+    train(cfg, progress=False)
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    assert asked and all(d is not None and torch.device(d) == device for d in asked), asked
+    assert seen and all(g.type == x.type == device.type for g, x in seen), seen
+
+
 def test_refuses_to_overwrite_a_run(tiny_target_dir, data_file, tmp_path):
     cfg = _cfg(tiny_target_dir, data_file, tmp_path / "r", "train.steps=1")
     train(cfg, progress=False)

@@ -229,6 +229,28 @@ def test_sampled_drafts_in_vocab_only():
     assert set(v.draft_token.unique().tolist()) <= {0, 2, 3, 5}
 
 
+def test_sampled_generator_must_live_on_the_logits_device():
+    # "meta" stands in for an accelerator on a CPU-only machine: on CUDA a CPU generator fails deep
+    # inside torch.multinomial; here the mismatch is refused up front, naming both devices
+    d, t = torch.randn(2, 3, 5, device="meta"), torch.randn(2, 3, 5, device="meta")
+    with pytest.raises(ValueError, match="generator is on cpu.*logits are on meta"):
+        simulate_verification(d, t, mode="sampled", generator=torch.Generator())
+    simulate_verification(d, t, mode="greedy", generator=torch.Generator())  # no draws: any generator
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_sampled_verification_on_cuda_with_the_training_generator():
+    from vatspec.train import step_generator
+
+    draft, target, valid, d2t = random_case(seed=7)
+    dev = torch.device("cuda")
+    args = [x.to(dev) for x in (draft, target, valid)]
+    v = simulate_verification(*args, mode="sampled", d2t=d2t.to(dev), generator=step_generator(0, 1, 0, 0, device=dev))
+    assert v.accept.device.type == "cuda" and v.draft_token.device.type == "cuda"
+    again = simulate_verification(*args, mode="sampled", d2t=d2t.to(dev), generator=step_generator(0, 1, 0, 0, device=dev))
+    assert torch.equal(v.draft_token, again.draft_token) and torch.equal(v.accept, again.accept)  # seeded replay
+
+
 def test_bad_inputs_name_the_problem():
     d, t = logits_for([1, 2], 4), logits_for([1, 2], 4)
     with pytest.raises(ValueError, match="prefix"):

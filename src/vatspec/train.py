@@ -73,9 +73,15 @@ def lr_lambda(total: int, warmup: int, min_ratio: float):
     return f
 
 
-def step_generator(seed: int, step: int, micro: int, rank: int) -> torch.Generator:
-    """Per-micro-batch RNG for anchors and sampled verification: resume-exact by construction."""
-    g = torch.Generator()
+def step_generator(
+    seed: int, step: int, micro: int, rank: int, device: torch.device | str = "cpu"
+) -> torch.Generator:
+    """Per-micro-batch RNG for anchors and sampled verification: resume-exact by construction.
+
+    ``device``: where the batch and logits live; CUDA draws refuse a CPU generator. On CPU the stream
+    is the same as a plain ``torch.Generator()``'s; another device draws a different (but as seeded)
+    stream, so CPU and GPU runs pick different anchors and samples."""
+    g = torch.Generator(device=device)
     g.manual_seed((seed * 1_000_003 + step * 1_009 + micro * 101 + rank) % (2**63))
     return g
 
@@ -292,7 +298,7 @@ def train_arms(cfgs: list[Config], *, resume: bool = False, init_from: str | Non
         for micro in range(accum):
             batch = next(batches).to(device)
             n_tokens += int(batch.attention_mask.sum())
-            gens = [step_generator(base.train.seed, step, micro, rank) for _ in arms]
+            gens = [step_generator(base.train.seed, step, micro, rank, device=device) for _ in arms]
             for i, res in enumerate(arms_micro_step(arms, target, batch, gens)):
                 (res.loss / accum).backward()
                 accs[i].add(res.metrics)
@@ -400,7 +406,7 @@ def evaluate_arms(arms: list[Arm], target, examples, cfg: Config, device) -> lis
     bs = cfg.data.batch_size
     for i in range(0, len(examples), bs):
         batch = D.collate(examples[i : i + bs], _pad_id(target)).to(device)
-        gens = [step_generator(cfg.train.seed, -1, i, 0) for _ in arms]
+        gens = [step_generator(cfg.train.seed, -1, i, 0, device=device) for _ in arms]
         for j, res in enumerate(arms_micro_step(arms, target, batch, gens)):
             accs[j].add(res.metrics)
             losses[j] += float(res.loss)

@@ -156,7 +156,7 @@ def simulate_verification(
     mode:          "greedy" | "sampled" | "expected" (see the module docstring).
     temperature:   scales both p and q in sampled / expected mode (must be > 0); unused in greedy.
     d2t:           [Vd] long offsets, draft id i -> target id i + d2t[i]; None = identity (Vd == V).
-    generator:     RNG for the sampled mode's draws (on the logits' device).
+    generator:     RNG for the sampled mode's draws; must be on the logits' device (ValueError if not).
 
     Returns a ``Verification`` computed under no_grad.
     """
@@ -165,6 +165,11 @@ def simulate_verification(
     if mode != "greedy" and not temperature > 0:
         raise ValueError(f"temperature must be > 0 for mode={mode!r}, got {temperature}")
     valid = _check_inputs(draft_logits, target_logits, valid, d2t)
+    if mode == "sampled" and generator is not None and generator.device.type != draft_logits.device.type:
+        raise ValueError(
+            f"simulate_verification: the generator is on {generator.device} but the logits are on "
+            f"{draft_logits.device}; make it there (torch.Generator(device=...), train.step_generator(..., device=...))"
+        )
     lead = valid.shape  # [..., K]
 
     with torch.no_grad():

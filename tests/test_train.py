@@ -178,7 +178,10 @@ def test_ddp_two_cpu_processes_hold_identical_weights(tiny_target_dir, data_file
         "captured = {}\n"
         "orig = T._build_arm\n"
         "def spy(*a, **k):\n"
-        "    arm = orig(*a, **k); captured['arm'] = arm; return arm\n"
+        "    arm = orig(*a, **k); captured['arm'] = arm\n"
+        "    init = {n: p.detach().clone() for n, p in arm.module.named_parameters()}\n"
+        "    torch.save(init, sys.argv[1] + f'.init.{dist.get_rank()}')  # before any optimiser step\n"
+        "    return arm\n"
         "T._build_arm = spy\n"
         "T.train(cfg, progress=False)\n"
         "m = captured['arm'].module\n"
@@ -198,8 +201,19 @@ def test_ddp_two_cpu_processes_hold_identical_weights(tiny_target_dir, data_file
     assert proc.returncode == 0, proc.stderr[-3000:]
     w0, w1 = torch.load(f"{out}.0"), torch.load(f"{out}.1")
     assert torch.equal(w0, w1)
-    # and they moved away from the initialisation
-    assert (tmp_path / "ddp" / "latest").exists()
+    # the checkpoint holds them, and every trained tensor (drafter and accept head, loss.kind=vat)
+    # moved away from the initialisation, which both ranks shared
+    from safetensors.torch import load_file
+
+    init0, init1 = torch.load(f"{out}.init.0"), torch.load(f"{out}.init.1")
+    assert init0.keys() == init1.keys() and all(torch.equal(init0[n], init1[n]) for n in init0)
+    ckpt = tmp_path / "ddp" / "checkpoints" / (tmp_path / "ddp" / "latest").read_text().strip()
+    saved = {f"drafter.{n}": t for n, t in load_file(ckpt / "drafter.safetensors").items()}
+    saved.update({f"head.{n}": t for n, t in load_file(ckpt / "head.safetensors").items()})
+    assert set(init0) <= set(saved) and any(n.startswith("head.") for n in init0)
+    assert torch.equal(torch.cat([saved[n].flatten() for n in init0]), w0)  # named_parameters order
+    unmoved = [n for n in init0 if torch.equal(saved[n], init0[n])]
+    assert not unmoved, f"weights equal to their initial values after training: {unmoved}"
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "dflash"])

@@ -231,14 +231,24 @@ def test_dflash_baseline_is_hard_ce_with_exponential_weights():
     out, d2t, t2d = random_batch(seed=4, K=3)
     v = simulate_verification(out.logits, out.target_logits, out.valid, d2t=d2t)
     loss, _ = vat_objective(out, v, None, LossConfig(kind="dflash"), schedule="dflash", d2t=d2t, t2d=t2d)
-    gamma = dflash_gamma(4)
-    labels, in_vocab = hard_targets(v, d2t, t2d, out.target_logits.shape[-1])
-    ref = 0.0
+    # block 4 = K + 1 is not in the reference table: gamma = round(4 / 2.3) = round(1.74) = 2,
+    # so pos = 0 1 2 -> w = 1 e^-1/2 e^-2/2
+    w = [1.0, math.exp(-0.5), math.exp(-1.0)]
+    # hard labels by hand: draft 0 1 2 3 <- target 0 2 3 5; target 1 and 4 are out of vocab (no loss)
+    draft_id = {0: 0, 2: 1, 3: 2, 5: 3}
+    ref, oov = 0.0, 0
     for j in range(3):
-        m = out.valid[:, j] & in_vocab[:, j]
-        ce = F.cross_entropy(out.logits[:, j][m], labels[:, j][m], reduction="sum") / max(int(m.sum()), 1)
-        ref = ref + math.exp(-j / gamma) * ce
-    torch.testing.assert_close(loss, ref, atol=EXACT, rtol=0)
+        total, n = 0.0, 0
+        for c in range(out.valid.shape[0]):
+            label = draft_id.get(int(out.target_logits[c, j].argmax()))
+            oov += bool(out.valid[c, j]) and label is None
+            if not out.valid[c, j] or label is None:
+                continue
+            total = total - torch.log_softmax(out.logits[c, j], -1)[label]
+            n += 1
+        ref = ref + w[j] * total / max(n, 1)
+    assert (~out.valid).any() and oov > 0  # invalid and out-of-vocab positions both occur
+    torch.testing.assert_close(loss, torch.as_tensor(ref, dtype=loss.dtype), atol=EXACT, rtol=0)
 
 
 def test_reduction_worked_example():

@@ -122,6 +122,31 @@ def test_tau_sim_equals_mean_tokens_per_step_when_chains_are_full():
     assert sum(m["accept_hist"]) == 200
 
 
+FP32 = 1e-6  # alpha from a float32 softmax: round-off of a few ulps on numbers of order 1
+
+
+def test_expected_mode_metrics_hand():
+    # V = 2, the target is sure of token 0 (p = (1, ~1e-13)); the draft puts q(0) = a on it, so
+    # alpha = sum min(p, q) = a. Draft argmax is token 0 iff a > 0.5 (the greedy match).
+    # chain a: a = 0.6 0.8 0.25, all valid:  alive = 1 0.6 0.48 -> E[accepted] = 0.6 + 0.48 + 0.12 = 1.2
+    #          greedy match = 1 1 0 -> first mismatch 2, nothing valid after it
+    # chain b: a = 0.4 0.9 (0.9), 2 valid:    alive = 1 0.4 -> E[accepted] = 0.4 + 0.36 = 0.76
+    #          greedy match = 0 1 -> first mismatch 0, position 1 comes after it and matches
+    a = torch.tensor([[0.6, 0.8, 0.25], [0.4, 0.9, 0.9]])
+    draft = torch.stack([a.log(), (1 - a).log()], -1)  # [2, 3, 2]
+    target = torch.tensor([30.0, 0.0]).expand(2, 3, 2)
+    valid = torch.tensor([[True, True, True], [True, True, False]])
+    out = DraftOutput(logits=draft, hidden=torch.zeros(2, 3, 1), target_logits=target, valid=valid)
+    v = simulate_verification(draft, target, valid, mode="expected")
+    m = chain_metrics(out, v)
+    assert "accept_hist" not in m
+    assert m["mean_first_reject"] == pytest.approx((1.2 + 0.76) / 2, abs=FP32)  # 0.98
+    assert m["tokens_per_step"] == pytest.approx(1.98, abs=FP32)
+    assert m["post_reject_match"] == 1.0  # 1 of 1 position after the greedy first mismatch matches
+    assert m["acc"] == pytest.approx([1 / 2, 2 / 2, 0 / 1])
+    assert m["tau_sim"] == pytest.approx(1 + 0.5 + 0.5 * 1 + 0.5 * 1 * 0)  # cond_acc = 1/2, 1/1, 0/1
+
+
 def test_expected_mode_metrics_use_the_greedy_first_mismatch():
     out, head = random_batch(40, seed=4)
     v = simulate_verification(out.logits, out.target_logits, out.valid, mode="expected")
@@ -129,7 +154,18 @@ def test_expected_mode_metrics_use_the_greedy_first_mismatch():
     g = chain_metrics(out, simulate_verification(out.logits, out.target_logits, out.valid))
     assert "accept_hist" not in m
     assert m["post_reject_match"] == pytest.approx(g["post_reject_match"], nan_ok=True)
-    assert 0 <= m["mean_first_reject"] <= 6
+    # mean first rejection is the mean over chains of sum_j prod_{i<=j} alpha_i, by a plain loop
+    total, chains = 0.0, 0
+    for alpha, ok in zip(v.accept.tolist(), out.valid.tolist()):
+        if not any(ok):
+            continue
+        run, chains = 1.0, chains + 1
+        for x, o in zip(alpha, ok):
+            if not o:
+                break
+            run *= x
+            total += run
+    assert m["mean_first_reject"] == pytest.approx(total / chains, abs=FP32)
 
 
 def test_accumulator_rejects_mixed_batches():

@@ -165,6 +165,20 @@ def test_checkpoint_loads_for_decoding(tiny_target_dir, data_file, tmp_path):
     assert drafter.kind == "eagle3" and head is not None
     saved = (tmp_path / "run" / "checkpoints" / "step-000001" / "config.yaml").read_text()
     assert "kind: vat" in saved
+    # the loaded weights are the saved ones, and the draft decodes: T = 0 output equals the AR
+    # baseline (the same loop without a drafter), with drafts proposed
+    from safetensors.torch import load_file
+
+    from vatspec.decode import generate
+
+    files = load_file(tmp_path / "run" / "checkpoints" / "step-000001" / "drafter.safetensors")
+    state = drafter.state_dict()
+    assert set(files) == set(state) and all(torch.equal(state[k].cpu(), files[k]) for k in files)
+    assert not drafter.training and not head.training
+    prompt = [5, 6, 7, 8]
+    ref = generate(target, prompt, None, max_new_tokens=8)
+    res = generate(target, prompt, drafter, head=head, max_new_tokens=8)
+    assert res.tokens == ref.tokens and res.rounds[0].drafted > 0
 
 
 def test_ddp_two_cpu_processes_hold_identical_weights(tiny_target_dir, data_file, tmp_path):

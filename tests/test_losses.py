@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from vatspec.drafters.base import DraftOutput
 from vatspec.losses import (

@@ -245,9 +245,10 @@ def test_sampled_verification_on_cuda_with_the_training_generator():
     draft, target, valid, d2t = random_case(seed=7)
     dev = torch.device("cuda")
     args = [x.to(dev) for x in (draft, target, valid)]
-    v = simulate_verification(*args, mode="sampled", d2t=d2t.to(dev), generator=step_generator(0, 1, 0, 0, device=dev))
+    kw = {"mode": "sampled", "d2t": d2t.to(dev)}
+    v = simulate_verification(*args, **kw, generator=step_generator(0, 1, 0, 0, device=dev))
     assert v.accept.device.type == "cuda" and v.draft_token.device.type == "cuda"
-    again = simulate_verification(*args, mode="sampled", d2t=d2t.to(dev), generator=step_generator(0, 1, 0, 0, device=dev))
+    again = simulate_verification(*args, **kw, generator=step_generator(0, 1, 0, 0, device=dev))
     assert torch.equal(v.draft_token, again.draft_token) and torch.equal(v.accept, again.accept)  # seeded replay
 
 

@@ -73,9 +73,7 @@ def lr_lambda(total: int, warmup: int, min_ratio: float):
     return f
 
 
-def step_generator(
-    seed: int, step: int, micro: int, rank: int, device: torch.device | str = "cpu"
-) -> torch.Generator:
+def step_generator(seed: int, step: int, micro: int, rank: int, device: torch.device | str = "cpu") -> torch.Generator:
     """Per-micro-batch RNG for anchors and sampled verification: resume-exact by construction.
 
     ``device``: where the batch and logits live; CUDA draws refuse a CPU generator. On CPU the stream

@@ -794,24 +794,3 @@ def _resume_ids(path: Path) -> set[str]:
                 raise DataError(f"{path}:{i}: not a regenerated record ({e}); refusing to append to it") from None
     return done
 
-
-# --------------------------------------------------------------------------- bundled sets
-def load_benchmark(name: str, *, turns: str = "first") -> list[Conversation]:
-    """A bundled evaluation prompt set; see ``list_benchmarks`` and ``vatspec/benchmarks/SOURCES.md``."""
-    from vatspec.benchmarks import load_benchmark as _load
-
-    return _load(name, turns=turns)
-
-
-def list_benchmarks() -> list[str]:
-    """Names of the bundled evaluation prompt sets."""
-    from vatspec.benchmarks import list_benchmarks as _list
-
-    return _list()
-
-
-def prepare_prompts(n: int, seed: int = 0, out: str | os.PathLike | None = None, **kw) -> list[Conversation]:
-    """N training prompts from the bundled corpora, disjoint from the benchmarks; see vatspec.benchmarks."""
-    from vatspec.benchmarks import prepare_prompts as _prep
-
-    return _prep(n, seed, out, **kw)

@@ -223,12 +223,12 @@ def test_loss_mask_runs_are_assistant_turns(tok):
             runs.append(cur)
             cur = []
     assert [tok.decode(r) for r in runs] == [" 4\n<|im_end|>", "<|im_end|>"]
-    assert sum(t == IM_END for t in ex.input_ids) == 5 and ex.num_targets == sum(map(len, runs))
+    assert sum(t == IM_END for t in ex.input_ids) == 5 and sum(ex.loss_mask) == sum(map(len, runs))
 
 
 def test_truncation_and_no_template(tok):
     ex = tokenize_conversation(MULTI, tok, max_length=10)
-    assert len(ex.input_ids) == len(ex.loss_mask) == 10 and ex.num_targets == 0
+    assert len(ex.input_ids) == len(ex.loss_mask) == 10 and not any(ex.loss_mask)
     plain = SimpleNamespace(chat_template=None, name_or_path="plain")
     with pytest.raises(DataError, match="'plain' has no chat template"):
         tokenize_conversation(MULTI, plain)

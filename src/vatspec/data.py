@@ -99,10 +99,6 @@ class Example:
     def __len__(self) -> int:
         return len(self.input_ids)
 
-    @property
-    def num_targets(self) -> int:
-        return sum(self.loss_mask)
-
 
 @dataclass
 class Batch:
@@ -483,14 +479,6 @@ def tokenize_conversation(conv: Conversation, tokenizer, max_length: int | None 
     if max_length is not None:
         ids, mask = ids[:max_length], mask[:max_length]
     return Example(ids, mask, conv.id)
-
-
-def tokenize_conversations(
-    convs: Iterable[Conversation], tokenizer, max_length: int | None = None, *, drop_empty: bool = True
-) -> list[Example]:
-    """``tokenize_conversation`` over many; drops examples with no supervised token after truncation."""
-    out = [tokenize_conversation(c, tokenizer, max_length) for c in convs]
-    return [e for e in out if e.num_targets > 0] if drop_empty else out
 
 
 def _require_template(tokenizer) -> None:

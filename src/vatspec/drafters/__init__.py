@@ -74,7 +74,9 @@ def init_lm_head_from_target(drafter, target) -> None:
     """EAGLE-3 option: copy the target's output rows of the draft vocabulary into ``lm_head`` and
     the target's final norm into ``norm``, so the draft starts in the target's output space.
     (The reference initialises both randomly; on a short CPU run this start learns much faster.)"""
-    rows = torch.arange(drafter.d2t.numel(), device=drafter.d2t.device) + drafter.d2t
+    from vatspec.drafters.vocab import target_ids
+
+    rows = target_ids(drafter.d2t)
     drafter.lm_head.weight.copy_(target.lm_head.weight[rows.to(target.lm_head.weight.device)])
     final_norm = getattr(getattr(target.model, "model", None), "norm", None)
     gemma_style = str(getattr(target.config, "model_type", "")).startswith("gemma")  # (1 + w) norms

@@ -49,14 +49,12 @@ def build_drafter(cfg, target, token_counts: Tensor | None = None):
     if cfg.kind == "eagle3":
         from vatspec.drafters.vocab import build_draft_vocab
 
-        conf = conf_cls.from_target(
+        drafter = cls.from_target(
             target, draft_vocab_size=cfg.draft_vocab_size, ttt_steps=cfg.ttt_steps, target_layer_ids=layer_ids
         )
-        drafter = cls(conf)
-        drafter.attach_target(target)
         if token_counts is None:
             token_counts = torch.ones(target.vocab_size, dtype=torch.long)
-        drafter.set_vocab(*build_draft_vocab(token_counts, conf.draft_vocab_size))
+        drafter.set_vocab(*build_draft_vocab(token_counts, drafter.config.draft_vocab_size))
         if cfg.init_lm_head:
             init_lm_head_from_target(drafter, target)
         return drafter

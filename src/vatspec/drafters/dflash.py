@@ -408,12 +408,6 @@ class DFlashDrafter(nn.Module):
         ok &= _gather_bt(attn, lab) & _gather_bt(loss, lab)
         return ok.long().cumprod(-1).bool()
 
-    def block_labels(self, batch: Any, anchors: Anchors) -> Tensor:
-        """Data tokens each slot should predict, ``[B, A, K]`` long (clamped where invalid)."""
-        input_ids, _, _ = _batch_tensors(batch)
-        lab = _label_positions(anchors.positions, self.block_size).clamp(max=input_ids.shape[1] - 1)
-        return _gather_bt(input_ids, lab)
-
     @torch.no_grad()
     def logits_positions(self, batch: Any, anchors: Anchors) -> Tensor:
         """bool ``[B, T]``: where the target's logits are needed (anchor + k - 1 for every valid slot)."""

@@ -346,10 +346,6 @@ class Eagle3Drafter(nn.Module):
         self.d2t.copy_(d2t)
         self.t2d.copy_(t2d)
 
-    def draft_to_target(self, draft_ids: Tensor) -> Tensor:
-        """Draft-vocabulary ids -> target ids (``i + d2t[i]``), any shape."""
-        return draft_ids + self.d2t[draft_ids]
-
     @torch.no_grad()
     def embed(self, ids: Tensor) -> Tensor:
         """Frozen target embedding of target-vocabulary ids: [...] -> [..., H] in the draft's dtype."""
@@ -604,20 +600,3 @@ class Eagle3Session:
             q=q[:kept] if q is not None else None,
             head_probs=head_probs[:kept] if head_probs is not None else None,
         )
-
-    @torch.no_grad()
-    def teacher_forced(self, tokens: Tensor) -> Tensor:
-        """Draft logits [j+1, Vd] after the committed context when the chain is fed ``tokens``
-        [j] (target ids) instead of its own: row 0 is the first proposal's logits, row i the
-        logits of draft step i. For checks and evaluation; leaves no speculative keys behind."""
-        if self._h is None:
-            raise RuntimeError("teacher_forced: extend() the session with the prompt first")
-        d = self.drafter
-        self._cache.crop(self.committed)
-        out = [self._logits]
-        h = self._h
-        for j in range(tokens.shape[0]):
-            h, hn = self._step(d.embed(tokens[j : j + 1][None]), h)
-            out.append(d.lm_head(hn[0, 0]))
-        self._cache.crop(self.committed)
-        return torch.stack(out)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from vatspec.benchmarks import list_benchmarks, load_benchmark, prepare_prompts
+from vatspec.benchmarks import list_benchmarks, load_benchmark, pick_prompts, prepare_prompts
 from vatspec.data import Conversation, DataError, load_conversations
 
 BENCH_DIR = Path(__file__).resolve().parents[1] / "src/vatspec/benchmarks"
@@ -67,9 +67,9 @@ def test_prepare_prompts_drops_planted_benchmark_prompts():
         Conversation("later", [{"role": "user", "content": "hello"}, {"role": "user", "content": mt}]),
         Conversation("fine", [{"role": "user", "content": "Write a haiku about tea."}]),
     ]
-    assert [c.id for c in prepare_prompts(1, seed=0, corpus=corpus)] == ["fine"]
+    assert [c.id for c in pick_prompts(corpus, 1, seed=0)] == ["fine"]
     with pytest.raises(DataError, match="only 1 eligible"):
-        prepare_prompts(2, seed=0, corpus=corpus)
+        pick_prompts(corpus, 2, seed=0)
 
 
 def test_cli_benchmarks_and_prepare_data(tmp_path, capsys):

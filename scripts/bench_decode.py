@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         name, _, path = spec.partition("=")
         methods[name] = load_drafter(path, target)
     if args.bench:
-        from vatspec.data import load_benchmark
+        from vatspec.benchmarks import load_benchmark
 
         convs = [c for b in args.bench for c in load_benchmark(b)[: args.num_prompts]] * args.repeat
     else:

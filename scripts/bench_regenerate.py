@@ -31,7 +31,8 @@ def main() -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from vatspec.data import load_benchmark, regenerate
+    from vatspec.benchmarks import load_benchmark
+    from vatspec.data import regenerate
     from vatspec.target import Target
 
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32

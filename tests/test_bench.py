@@ -172,13 +172,13 @@ def test_prompt_ids():
 
 def test_eval_command(tiny, tmp_path, monkeypatch):
     """``vatspec eval`` wires checkpoints, benchmarks and prompt files into evaluate + report."""
-    from vatspec import cli, data
+    from vatspec import benchmarks, cli, data
     from vatspec.target import Target
 
     target, methods, prompts = tiny
     monkeypatch.setattr(Target, "load", classmethod(lambda cls, name, **kw: target))
     monkeypatch.setattr(bench, "load_drafter", lambda path, t: (OracleDrafter(t, [2]), None))
-    monkeypatch.setattr(data, "load_benchmark", lambda name: [[BOS, 3, 4], [BOS, 8]])
+    monkeypatch.setattr(benchmarks, "load_benchmark", lambda name: [[BOS, 3, 4], [BOS, 8]])
     user = tmp_path / "mine.jsonl"
     user.write_text("")
     monkeypatch.setattr(data, "load_conversations", lambda path, **kw: [[BOS, 12]])

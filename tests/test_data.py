@@ -1,4 +1,4 @@
-"""vatspec.data and vatspec.benchmarks: readers, loss masks, batching, regeneration, bundled sets.
+"""vatspec.data: readers, loss masks, batching, regeneration.
 
 Nothing is downloaded: the SmolLM2 tokenizer comes from the converted default target in the
 local cache, the regeneration model is a tiny random Llama built here.
@@ -24,17 +24,13 @@ from vatspec.data import (
     DataError,
     Example,
     collate,
-    list_benchmarks,
-    load_benchmark,
     load_conversations,
-    prepare_prompts,
     regenerate,
     split_heldout,
     token_counts,
     tokenize_conversation,
 )
 
-BENCH_DIR = Path(__file__).resolve().parents[1] / "src/vatspec/benchmarks"
 IM_START, IM_END = 1, 2  # SmolLM2 ChatML special ids
 
 
@@ -227,12 +223,12 @@ def test_loss_mask_runs_are_assistant_turns(tok):
             runs.append(cur)
             cur = []
     assert [tok.decode(r) for r in runs] == [" 4\n<|im_end|>", "<|im_end|>"]
-    assert sum(t == IM_END for t in ex.input_ids) == 5 and ex.num_targets == sum(map(len, runs))
+    assert sum(t == IM_END for t in ex.input_ids) == 5 and sum(ex.loss_mask) == sum(map(len, runs))
 
 
 def test_truncation_and_no_template(tok):
     ex = tokenize_conversation(MULTI, tok, max_length=10)
-    assert len(ex.input_ids) == len(ex.loss_mask) == 10 and ex.num_targets == 0
+    assert len(ex.input_ids) == len(ex.loss_mask) == 10 and not any(ex.loss_mask)
     plain = SimpleNamespace(chat_template=None, name_or_path="plain")
     with pytest.raises(DataError, match="'plain' has no chat template"):
         tokenize_conversation(MULTI, plain)
@@ -384,6 +380,7 @@ def test_regenerate_stops_at_eos_and_strips_it(tmp_path, tok):
 
 @pytest.mark.slow
 def test_regenerate_batched_equals_one_at_a_time_on_smollm2(tmp_path, default_target_path, one_thread):
+    from vatspec.benchmarks import load_benchmark
     from vatspec.target import Target
 
     target = Target.from_pretrained(default_target_path)
@@ -394,89 +391,3 @@ def test_regenerate_batched_equals_one_at_a_time_on_smollm2(tmp_path, default_ta
     ra = {r["id"]: r["messages"] for r in read_jsonl(tmp_path / "a.jsonl")}
     rb = {r["id"]: r["messages"] for r in read_jsonl(tmp_path / "b.jsonl")}
     assert ra == rb  # left padding changes nothing under greedy decoding
-
-
-# --------------------------------------------------------------------------- bundled sets
-def test_benchmark_counts():
-    assert list_benchmarks() == ["mt_bench", "humaneval", "gsm8k", "alpaca"]
-    counts = {n: len(load_benchmark(n)) for n in list_benchmarks()}
-    assert counts == {"mt_bench": 80, "humaneval": 164, "gsm8k": 1319, "alpaca": 100}
-    mt = load_benchmark("mt-bench", turns="all")
-    assert all(len(c.prompts()) == 2 and not c.has_assistant for c in mt)
-    assert all(len(c.prompts()) == 1 for c in load_benchmark("mt_bench"))
-    assert load_benchmark("gsm8k")[0].meta["answer"] == "18"
-    assert load_benchmark("humaneval")[0].id == "HumanEval/0"
-    assert (BENCH_DIR / "SOURCES.md").is_file()
-    with pytest.raises(KeyError, match="unknown benchmark"):
-        load_benchmark("nope")
-
-
-def raw_benchmark_prompts() -> set[str]:
-    """Every prompt text in the bundled benchmark files, read straight from the JSONL."""
-    out = set()
-    for name in ("mt_bench", "humaneval", "gsm8k", "alpaca"):
-        for line in (BENCH_DIR / f"{name}.jsonl").read_text().splitlines():
-            r = json.loads(line)
-            out.update(r.get("turns", []))
-            out.update(r[k] for k in ("prompt", "question") if k in r)
-            if "instruction" in r:
-                out.add(r["instruction"] + (f"\n\n{r['input']}" if r["input"] else ""))
-    return {" ".join(t.lower().split()) for t in out}
-
-
-def test_prepare_prompts_disjoint_from_benchmarks(tmp_path):
-    out = tmp_path / "p.jsonl"
-    convs = prepare_prompts(300, seed=3, out=out, sources=("alpaca",))
-    assert len(convs) == 300 and len({c.id for c in convs}) == 300
-    bench = raw_benchmark_prompts()
-    assert all(" ".join(p.lower().split()) not in bench for c in convs for p in c.prompts())
-    assert [c.id for c in load_conversations(out, require_assistant=False)] == [c.id for c in convs]
-    assert [c.id for c in prepare_prompts(300, seed=3, sources=("alpaca",))] == [c.id for c in convs]
-
-
-def test_prepare_prompts_drops_planted_benchmark_prompts():
-    mt = load_benchmark("mt_bench")[0].prompts()[0]
-    gsm = load_benchmark("gsm8k")[5].prompts()[0]
-    corpus = [
-        Conversation("same", [{"role": "user", "content": "  " + mt.upper() + "\n"}]),  # case, spaces
-        Conversation("inside", [{"role": "user", "content": f"Please solve: {gsm} Thanks!"}]),
-        Conversation("later", [{"role": "user", "content": "hello"}, {"role": "user", "content": mt}]),
-        Conversation("fine", [{"role": "user", "content": "Write a haiku about tea."}]),
-    ]
-    assert [c.id for c in prepare_prompts(1, seed=0, corpus=corpus)] == ["fine"]
-    with pytest.raises(DataError, match="only 1 eligible"):
-        prepare_prompts(2, seed=0, corpus=corpus)
-
-
-def test_cli_benchmarks_and_prepare_data(tmp_path, capsys):
-    from vatspec.cli import main
-
-    assert main(["benchmarks"]) == 0
-    out = capsys.readouterr().out
-    assert re.search(r"mt_bench\s+80\s+2", out) and re.search(r"gsm8k\s+1319", out)
-    assert main(["prepare-data", "--n", "20", "--out", str(tmp_path / "p.jsonl"), "--sources", "alpaca"]) == 0
-    assert len(read_jsonl(tmp_path / "p.jsonl")) == 20
-
-
-@pytest.mark.slow
-def test_sharegpt_recovery_keeps_every_complete_record():
-    from vatspec.benchmarks import iter_sharegpt, sharegpt_path
-
-    info: dict = {}
-    recs = [r for _, r in iter_sharegpt(info=info)]
-    assert len(recs) > 0 and info["cut"] and info["dropped_chars"] > 0
-    for r in recs:  # complete: an id and a list of whole turns
-        assert isinstance(r["id"], str) and isinstance(r["conversations"], list)
-        assert all(isinstance(t["from"], str) and isinstance(t["value"], str) for t in r["conversations"])
-    # independent count: close the array after the last record that ends the (indented) file's items
-    text = sharegpt_path().read_text(encoding="utf-8")
-    end = text.rfind("\n  }") + len("\n  }")
-    assert len(json.loads(text[:end] + "\n]")) == len(recs)
-
-
-@pytest.mark.slow
-def test_prepare_prompts_with_sharegpt(tmp_path):
-    convs = prepare_prompts(200, seed=0, out=tmp_path / "p.jsonl")
-    assert {c.meta["source"] for c in convs} == {"sharegpt", "alpaca"}
-    bench = raw_benchmark_prompts()
-    assert all(" ".join(p.lower().split()) not in bench for c in convs for p in c.prompts())

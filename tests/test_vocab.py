@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vatspec.drafters.vocab import build_draft_vocab, check_draft_vocab, count_tokens, target_ids
+from vatspec.drafters.vocab import build_draft_vocab, check_draft_vocab, target_ids
 
 
 def reference_ids(counts: list[int], size: int) -> list[int]:
@@ -73,11 +73,3 @@ def test_check_draft_vocab_catches_mismatch():
         check_draft_vocab(d2t, t2d_bad)
     with pytest.raises(ValueError, match="ascending"):
         check_draft_vocab(torch.tensor([2, -1]), torch.tensor([False, True, True, False]))
-
-
-def test_count_tokens_counts_masked_ids():
-    ids = torch.tensor([[1, 2, 2, 3], [3, 3, 0, 1]])
-    mask = torch.tensor([[False, True, True, True], [True, False, False, True]])
-    assert count_tokens(ids, mask, 5).tolist() == [0, 1, 2, 2, 0]
-    with pytest.raises(ValueError, match="token ids"):
-        count_tokens(ids, mask, 3)

@@ -448,7 +448,7 @@ def run(args) -> int:
 
 
 def _run(args) -> int:
-    from vatspec import data
+    from vatspec import benchmarks, data
     from vatspec.target import Target
 
     if args.threads:
@@ -462,8 +462,8 @@ def _run(args) -> int:
             raise SystemExit(f"--draft: method name {name!r} given twice")
         drafter, head = load_drafter(path, target)
         methods[name] = (drafter, None if args.no_head else head)
-    benches = args.bench or ([] if args.prompts else data.list_benchmarks())
-    prompts = {b: data.load_benchmark(b) for b in benches}
+    benches = args.bench or ([] if args.prompts else benchmarks.list_benchmarks())
+    prompts = {b: benchmarks.load_benchmark(b) for b in benches}
     for f in args.prompts:
         prompts[Path(f).stem] = data.load_conversations(f, require_assistant=False)
     if args.num_prompts is not None:

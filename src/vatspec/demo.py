@@ -81,11 +81,12 @@ def _slug(name: str) -> str:
 def prepare_training_data(target, size: DemoSize, home: Path, progress: bool = True) -> tuple[Path, dict]:
     """N bundled prompts, answered by the target (greedy); cached and resumable."""
     from vatspec import data as D
+    from vatspec.benchmarks import prepare_prompts
 
     out = home / "demo" / f"regen-n{size.prompts}-t{size.regen_tokens}-s{size.seed}.jsonl"
     out.parent.mkdir(parents=True, exist_ok=True)
     # short single-turn prompts: on a CPU the prefill of long prompts dominates regeneration
-    prompts = D.prepare_prompts(size.prompts, seed=size.seed, max_turns=1, max_chars=600)
+    prompts = prepare_prompts(size.prompts, seed=size.seed, max_turns=1, max_chars=600)
     t0 = time.perf_counter()
     stats = D.regenerate(prompts, target, out, batch_size=16, max_new_tokens=size.regen_tokens,
                          progress=progress)
@@ -151,7 +152,7 @@ def _fmt(x, nd=2) -> str:
 # ----------------------------------------------------------------------------- demo
 def run_demo(out: Path, size: DemoSize, *, threads: int | None = None, progress: bool = True) -> dict:
     from vatspec import bench
-    from vatspec import data as D
+    from vatspec.benchmarks import load_benchmark
     from vatspec.checkpoint import load_draft
     from vatspec.target import Target, prepare_default_target, vatspec_home
     from vatspec.train import train_arms
@@ -188,7 +189,7 @@ def run_demo(out: Path, size: DemoSize, *, threads: int | None = None, progress:
     for n, c in zip(names, cfgs):
         drafter, head = load_draft(c.train.out_dir, target)
         methods[n] = (drafter, head)
-    prompts = {b: D.load_benchmark(b)[: size.eval_prompts] for b in size.benches}
+    prompts = {b: load_benchmark(b)[: size.eval_prompts] for b in size.benches}
     results = bench.evaluate(target, methods, prompts, temperature=0.0, max_new_tokens=size.eval_tokens,
                              warmup=1, seed=size.seed, progress=progress)
     timings["eval"] = time.perf_counter() - t

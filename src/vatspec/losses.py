@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from vatspec.drafters.base import DraftOutput
+from vatspec.drafters.vocab import target_ids
 from vatspec.verify import MODES, Verification, target_to_draft
 
 SCHEDULES = ("eagle3", "dflash")
@@ -243,8 +244,7 @@ def soft_targets(target_logits: Tensor, d2t: Tensor | None) -> Tensor:
     with torch.no_grad():
         cols = target_logits
         if d2t is not None:
-            ids = torch.arange(d2t.numel(), device=d2t.device) + d2t  # [Vd] target ids
-            cols = target_logits.index_select(-1, ids)  # [..., K, Vd]
+            cols = target_logits.index_select(-1, target_ids(d2t))  # [..., K, Vd]
         return torch.softmax(cols.float(), dim=-1)
 
 

@@ -4,7 +4,7 @@ Pure torch, no state. Training turns the result into supervision (``losses.py``)
 diagnostics (``metrics.py``). Shapes: ``...`` are the chain dims, K the drafted positions per chain,
 Vd the draft vocabulary, V the target vocabulary.
 
-Three rules (RESEARCH.md section 1; the paper trains with the first):
+Three rules (README.md, "What VAT is"; the paper trains with the first):
 
 - ``greedy``:   position j is accepted iff the draft's argmax, mapped to a target id, equals the
                 target's argmax. A target argmax outside the draft vocabulary can never be matched,
@@ -30,6 +30,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from vatspec.drafters.vocab import target_ids
 
 MODES = ("greedy", "sampled", "expected")
 
@@ -66,7 +68,7 @@ class Verification:
     @property
     def num_accepted(self) -> Tensor:
         """[...] accepted drafts before the first rejection (0..K); excludes the bonus token, so
-        ``tokens_per_step = num_accepted + 1`` (RESEARCH.md's tau). Long in greedy / sampled mode;
+        ``tokens_per_step = num_accepted + 1`` (README.md's tau). Long in greedy / sampled mode;
         the expectation ``sum_j prod_{i<=j} alpha_i`` (float) in expected mode."""
         if self.first_reject is not None:
             return self.first_reject
@@ -75,7 +77,7 @@ class Verification:
 
 def draft_to_target(draft_ids: Tensor, d2t: Tensor | None) -> Tensor:
     """Map draft-vocab ids (any shape, long) to target ids: ``i -> i + d2t[i]``; identity if d2t is None."""
-    return draft_ids if d2t is None else draft_ids + d2t[draft_ids]
+    return draft_ids if d2t is None else target_ids(d2t)[draft_ids]
 
 
 def target_to_draft(d2t: Tensor | None, vocab_size: int) -> Tensor | None:
@@ -85,9 +87,8 @@ def target_to_draft(d2t: Tensor | None, vocab_size: int) -> Tensor | None:
     """
     if d2t is None:
         return None
-    tgt_ids = torch.arange(d2t.numel(), device=d2t.device) + d2t  # [Vd]
     index = torch.full((vocab_size,), -1, dtype=torch.long, device=d2t.device)
-    index[tgt_ids] = torch.arange(d2t.numel(), device=d2t.device)
+    index[target_ids(d2t)] = torch.arange(d2t.numel(), device=d2t.device)
     return index
 
 
@@ -199,7 +200,7 @@ def simulate_verification(
                 # those V_d columns of p are needed (p still normalised over the full V).
                 cols = target_logits
                 if d2t is not None:
-                    cols = target_logits.index_select(-1, torch.arange(d2t.numel(), device=d2t.device) + d2t)
+                    cols = target_logits.index_select(-1, target_ids(d2t))  # [..., K, Vd]
                 p = (cols.float() / temperature - lse_p.unsqueeze(-1)).exp()  # [..., K, Vd]
                 alpha = torch.minimum(p, logq.exp()).sum(-1).clamp(0.0, 1.0)  # [..., K]
                 accept = torch.where(valid, alpha, torch.zeros_like(alpha))

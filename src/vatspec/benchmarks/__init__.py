@@ -192,24 +192,39 @@ def prepare_prompts(
     sources: tuple[str, ...] = ("sharegpt", "alpaca"),
     max_turns: int | None = None,
     max_chars: int | None = 4096,
-    corpus: list[Conversation] | None = None,
 ) -> list[Conversation]:
     """``n`` training prompts drawn (seeded) from the corpora, disjoint from every benchmark.
 
     Each result is a prompt-only conversation (system and user turns; ``vatspec regenerate``
-    adds the target's responses). ``max_turns`` keeps the first user turns only; ``max_chars``
-    skips conversations whose user text is longer. ``corpus`` replaces the bundled corpora (tests).
+    adds the target's responses). ``max_turns`` and ``max_chars`` as in ``pick_prompts``.
     Written as JSONL (``{"id", "messages", "meta"}``) to ``out`` when given.
     """
-    if corpus is None:
-        corpus = []
-        for s in sources:
-            if s == "sharegpt":
-                corpus += sharegpt_prompts()
-            elif s == "alpaca":
-                corpus += alpaca_train_prompts()
-            else:
-                raise ValueError(f"unknown source {s!r}; expected 'sharegpt' or 'alpaca'")
+    corpus: list[Conversation] = []
+    for s in sources:
+        if s == "sharegpt":
+            corpus += sharegpt_prompts()
+        elif s == "alpaca":
+            corpus += alpaca_train_prompts()
+        else:
+            raise ValueError(f"unknown source {s!r}; expected 'sharegpt' or 'alpaca'")
+    picked = pick_prompts(corpus, n, seed, max_turns=max_turns, max_chars=max_chars)
+    if out is not None:
+        out = Path(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(out.name + ".tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            for c in picked:
+                f.write(json.dumps(c.to_json(), ensure_ascii=False) + "\n")
+        tmp.replace(out)
+    return picked
+
+
+def pick_prompts(
+    corpus: list[Conversation], n: int, seed: int = 0, *, max_turns: int | None = None, max_chars: int | None = 4096
+) -> list[Conversation]:
+    """``n`` conversations of ``corpus`` in a seeded random order, each cut to its first
+    ``max_turns`` user turns, skipping repeats, those with more than ``max_chars`` of user text,
+    and any whose user turn equals or contains a benchmark prompt (``overlaps_benchmark``)."""
     bench = benchmark_prompts()
     long_bench = [b for b in bench if len(b) >= CONTAIN_MIN_CHARS]
     order = list(range(len(corpus)))
@@ -228,15 +243,7 @@ def prepare_prompts(
         seen.add(key)
         picked.append(conv)
     if len(picked) < n:
-        raise DataError(f"only {len(picked)} eligible prompts in {sources} (asked for {n})")
-    if out is not None:
-        out = Path(out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(out.name + ".tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            for c in picked:
-                f.write(json.dumps(c.to_json(), ensure_ascii=False) + "\n")
-        tmp.replace(out)
+        raise DataError(f"only {len(picked)} eligible prompts among {len(corpus)} (asked for {n})")
     return picked
 
 

@@ -17,8 +17,7 @@ def _benchmarks_configure(parser: argparse.ArgumentParser) -> None:
 
 
 def _benchmarks_run(args: argparse.Namespace) -> int:
-    from vatspec.benchmarks import BENCHMARKS
-    from vatspec.data import load_benchmark
+    from vatspec.benchmarks import BENCHMARKS, load_benchmark
 
     if args.show:
         for conv in load_benchmark(args.show, turns="all")[: args.n]:
@@ -50,7 +49,8 @@ def _prepare_configure(parser: argparse.ArgumentParser) -> None:
 def _prepare_run(args: argparse.Namespace) -> int:
     from collections import Counter
 
-    from vatspec.data import DataError, prepare_prompts
+    from vatspec.benchmarks import prepare_prompts
+    from vatspec.data import DataError
 
     try:
         convs = prepare_prompts(
@@ -98,7 +98,8 @@ def _regen_configure(parser: argparse.ArgumentParser) -> None:
 def _regen_run(args: argparse.Namespace) -> int:
     import torch
 
-    from vatspec.data import DataError, load_benchmark, load_conversations, regenerate
+    from vatspec.benchmarks import load_benchmark
+    from vatspec.data import DataError, load_conversations, regenerate
     from vatspec.target import Target, TargetError
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")

@@ -49,14 +49,12 @@ def build_drafter(cfg, target, token_counts: Tensor | None = None):
     if cfg.kind == "eagle3":
         from vatspec.drafters.vocab import build_draft_vocab
 
-        conf = conf_cls.from_target(
+        drafter = cls.from_target(
             target, draft_vocab_size=cfg.draft_vocab_size, ttt_steps=cfg.ttt_steps, target_layer_ids=layer_ids
         )
-        drafter = cls(conf)
-        drafter.attach_target(target)
         if token_counts is None:
             token_counts = torch.ones(target.vocab_size, dtype=torch.long)
-        drafter.set_vocab(*build_draft_vocab(token_counts, conf.draft_vocab_size))
+        drafter.set_vocab(*build_draft_vocab(token_counts, drafter.config.draft_vocab_size))
         if cfg.init_lm_head:
             init_lm_head_from_target(drafter, target)
         return drafter
@@ -74,7 +72,9 @@ def init_lm_head_from_target(drafter, target) -> None:
     """EAGLE-3 option: copy the target's output rows of the draft vocabulary into ``lm_head`` and
     the target's final norm into ``norm``, so the draft starts in the target's output space.
     (The reference initialises both randomly; on a short CPU run this start learns much faster.)"""
-    rows = torch.arange(drafter.d2t.numel(), device=drafter.d2t.device) + drafter.d2t
+    from vatspec.drafters.vocab import target_ids
+
+    rows = target_ids(drafter.d2t)
     drafter.lm_head.weight.copy_(target.lm_head.weight[rows.to(target.lm_head.weight.device)])
     final_norm = getattr(getattr(target.model, "model", None), "norm", None)
     gemma_style = str(getattr(target.config, "model_type", "")).startswith("gemma")  # (1 + w) norms

@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from vatspec.drafters.base import AcceptHead, DraftOutput, Linear
+from vatspec.drafters.layers import MLP, RMSNorm, apply_rope, rope_cos_sin, rope_init, rope_parameters
 from vatspec.drafters.sampling import Proposal, sample, warp_logits
 from vatspec.target import Target, TargetOutput
 
@@ -118,22 +119,6 @@ def _chat_template_ids(tokenizer: Any) -> set[int]:
     return {int(i) for i in ids}
 
 
-def _rope_from_config(tc: Any) -> tuple[float, dict | None]:
-    """(rope_theta, non-default rope parameters or None) from a HF config, v4 or v5 style."""
-    rp = getattr(tc, "rope_parameters", None)
-    if isinstance(rp, Mapping) and "full_attention" in rp:  # per-layer-type parameters (Gemma 3)
-        rp = rp["full_attention"]
-    if isinstance(rp, Mapping) and "rope_theta" in rp:
-        theta = float(rp["rope_theta"])
-        extra = {k: v for k, v in rp.items() if k != "rope_theta"}
-    else:
-        theta = float(getattr(tc, "rope_theta", 10000.0))
-        extra = dict(getattr(tc, "rope_scaling", None) or {})
-    if extra.get("rope_type", extra.get("type", "default")) == "default":
-        return theta, None
-    return theta, extra
-
-
 # ----------------------------------------------------------------------------- config
 @dataclass(frozen=True)
 class DFlashConfig:
@@ -199,7 +184,7 @@ class DFlashConfig:
         else:
             exclude = target.eos_token_ids if target.tokenizer is not None else []
             mask = pick_mask_token(target.tokenizer, V, exclude=exclude)
-        theta, scaling = _rope_from_config(tc)
+        theta, scaling = rope_parameters(tc)
         heads = tc.num_attention_heads
         kw: dict[str, Any] = dict(
             target_layer_ids=tuple(ids),
@@ -247,26 +232,8 @@ class Anchors(NamedTuple):
 
 
 # ----------------------------------------------------------------------------- layers
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: Tensor) -> Tensor:
-        x32 = x.float()  # normalise in float32, as Qwen3 / Llama do
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
-
-
-def _rotate_half(x: Tensor) -> Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:  # x [B, h, P, D], cos/sin [B, P, D]
-    cos, sin = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)
-    return x * cos + _rotate_half(x) * sin
+    return apply_rope(x, cos[:, None].to(x.dtype), sin[:, None].to(x.dtype))
 
 
 class DFlashAttention(nn.Module):
@@ -305,22 +272,11 @@ class DFlashAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(B, Q, self.h * self.d))
 
 
-class DFlashMLP(nn.Module):
-    def __init__(self, c: DFlashConfig):
-        super().__init__()
-        self.gate_proj = Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.up_proj = Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.down_proj = Linear(c.intermediate_size, c.hidden_size, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class DFlashDecoderLayer(nn.Module):
     def __init__(self, c: DFlashConfig):
         super().__init__()
         self.self_attn = DFlashAttention(c)
-        self.mlp = DFlashMLP(c)
+        self.mlp = MLP(c.hidden_size, c.intermediate_size)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
@@ -353,7 +309,7 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         if c.mask_source == "learned":
             self.mask_embedding = nn.Parameter(torch.empty(c.hidden_size))
-        inv_freq, self.rope_scale = _inv_freq(c)
+        inv_freq, self.rope_scale = rope_init(c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self._target: Target | None = None  # not a Module: stays out of parameters and state_dict
         self.reset_parameters()
@@ -394,9 +350,8 @@ class DFlashDrafter(nn.Module):
 
     def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """cos, sin ``[B, P, D]`` for absolute ``positions [B, P]``."""
-        freqs = positions[..., None].float() * self.inv_freq.float()  # [B, P, D/2]
-        emb = torch.cat([freqs, freqs], dim=-1)
-        return emb.cos() * self.rope_scale, emb.sin() * self.rope_scale
+        cos, sin = rope_cos_sin(positions, self.inv_freq)  # [B, P, D] float32
+        return cos * self.rope_scale, sin * self.rope_scale
 
     def project_context(self, features: Tensor, positions: Tensor) -> list[tuple[Tensor, Tensor]]:
         """Per-layer context keys/values ``[B, hkv, S, D]`` of target ``features [B, S, n*H_t]``."""
@@ -452,12 +407,6 @@ class DFlashDrafter(nn.Module):
         lab = lab.clamp(max=T - 1)
         ok &= _gather_bt(attn, lab) & _gather_bt(loss, lab)
         return ok.long().cumprod(-1).bool()
-
-    def block_labels(self, batch: Any, anchors: Anchors) -> Tensor:
-        """Data tokens each slot should predict, ``[B, A, K]`` long (clamped where invalid)."""
-        input_ids, _, _ = _batch_tensors(batch)
-        lab = _label_positions(anchors.positions, self.block_size).clamp(max=input_ids.shape[1] - 1)
-        return _gather_bt(input_ids, lab)
 
     @torch.no_grad()
     def logits_positions(self, batch: Any, anchors: Anchors) -> Tensor:
@@ -693,26 +642,6 @@ def _append(buf: Tensor, new: Tensor, length: int) -> Tensor:
         buf = grown
     buf[:, :, length:need] = new
     return buf
-
-
-def _inv_freq(c: DFlashConfig) -> tuple[Tensor, float]:
-    """RoPE inverse frequencies ``[D/2]`` and attention scaling. Default RoPE is computed here;
-    scaled variants (llama3, yarn, ...) come from transformers' own initialisers."""
-    if not c.rope_scaling:
-        return 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim)), 1.0
-    from transformers import Qwen3Config
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    rope_type = c.rope_scaling.get("rope_type", c.rope_scaling.get("type"))
-    if rope_type not in ROPE_INIT_FUNCTIONS:
-        raise ValueError(f"DFlashConfig.rope_scaling: unknown rope_type {rope_type!r}")
-    hf = Qwen3Config(
-        hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads, head_dim=c.head_dim,
-        num_key_value_heads=c.num_key_value_heads, max_position_embeddings=c.max_position_embeddings,
-        rope_parameters={"rope_theta": c.rope_theta, **c.rope_scaling},
-    )
-    inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](hf, torch.device("cpu"))
-    return inv_freq.float(), float(scale)
 
 
 __all__ = [

@@ -32,7 +32,6 @@ ends at t and i tokens have been drafted (``Eagle3Session``), which the tests ch
 from __future__ import annotations
 
 import copy
-import math
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
@@ -42,11 +41,19 @@ from torch import Tensor, nn
 from transformers.activations import ACT2FN
 
 from vatspec.drafters.base import AcceptHead, DraftOutput, Linear
+from vatspec.drafters.layers import (
+    MLP,
+    ROPE_TYPES,
+    RMSNorm,
+    apply_rope,
+    rope_cos_sin,
+    rope_inv_freq,
+    rope_parameters,
+)
 from vatspec.drafters.sampling import Proposal, sample, warp_logits
 from vatspec.drafters.vocab import check_draft_vocab, target_ids
 
-ROPE_TYPES = ("default", "linear", "llama3")
-_ROPE_KEYS = ("rope_type", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
 # ----------------------------------------------------------------------------- config
@@ -62,32 +69,23 @@ def default_layer_ids(num_layers: int) -> tuple[int, int, int]:
 
 
 def rope_from_config(cfg) -> tuple[float, dict | None]:
-    """``(rope_theta, rope_scaling | None)`` of a HF text config (transformers 4 or 5 layout).
+    """``(rope_theta, rope_scaling | None)`` of the draft for a HF target config (``rope_parameters``).
 
-    Keeps the scaling types this module implements (linear, llama3); others are dropped with a
-    warning, so the draft trains and is exported with plain RoPE (it is its own model: it only
-    has to agree with its served config, not with the target's RoPE).
+    Keeps the scaling types ``rope_inv_freq`` implements (linear, llama3) and their keys; others
+    are dropped with a warning, so the draft trains and is exported with plain RoPE (it is its own
+    model: it only has to agree with its served config, not with the target's RoPE).
     """
-    params = getattr(cfg, "rope_parameters", None)
-    if isinstance(params, Mapping) and isinstance(params.get("full_attention"), Mapping):
-        params = params["full_attention"]  # per-layer-type RoPE (Gemma 3): take the global layers'
-    if isinstance(params, Mapping) and params:
-        theta = float(params.get("rope_theta", getattr(cfg, "rope_theta", None) or 10000.0))
-        scaling = dict(params)
-    else:
-        theta = float(getattr(cfg, "rope_theta", None) or 10000.0)
-        scaling = dict(getattr(cfg, "rope_scaling", None) or {})
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type == "default":
+    theta, scaling = rope_parameters(cfg)
+    if scaling is None:
         return theta, None
+    rope_type = scaling["rope_type"]
     if rope_type not in ROPE_TYPES:
         warnings.warn(
             f"target RoPE scaling {rope_type!r} is not implemented for the EAGLE-3 draft; using plain RoPE",
             stacklevel=2,
         )
         return theta, None
-    out = {k: scaling[k] for k in _ROPE_KEYS[1:] if k in scaling}
-    return theta, {"rope_type": rope_type, **out}
+    return theta, {"rope_type": rope_type, **{k: scaling[k] for k in _ROPE_KEYS if k in scaling}}
 
 
 @dataclass(frozen=True)
@@ -184,62 +182,6 @@ class Eagle3Config:
 
 
 # ----------------------------------------------------------------------------- layers
-class RMSNorm(nn.Module):
-    """Llama RMSNorm: statistics in float32, weight applied in the input dtype."""
-
-    def __init__(self, size: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: Tensor) -> Tensor:  # [..., H] -> [..., H]
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
-
-
-class MLP(nn.Module):
-    def __init__(self, c: Eagle3Config):
-        super().__init__()
-        self.gate_proj = Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.up_proj = Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.down_proj = Linear(c.intermediate_size, c.hidden_size, bias=False)
-        self.act = ACT2FN[c.hidden_act]
-
-    def forward(self, x: Tensor) -> Tensor:  # [..., H] -> [..., H]
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
-
-
-def rope_inv_freq(head_dim: int, theta: float, scaling: Mapping | None = None) -> Tensor:
-    """Inverse RoPE frequencies [head_dim / 2] float32: plain, linear or llama3-scaled."""
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    kind = (scaling or {}).get("rope_type", "default")
-    if kind == "linear":
-        return inv / float(scaling["factor"])
-    if kind == "llama3":
-        factor = float(scaling["factor"])
-        lo, hi = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
-        ctx = float(scaling["original_max_position_embeddings"])
-        wavelen = 2 * math.pi / inv
-        # long wavelengths (> ctx / lo) are slowed by `factor`, short ones (< ctx / hi) kept,
-        # and the band between is interpolated linearly in ctx / wavelen.
-        slowed = torch.where(wavelen > ctx / lo, inv / factor, inv)
-        w = (ctx / wavelen - lo) / (hi - lo)
-        blended = (1 - w) * slowed / factor + w * slowed
-        middle = (wavelen >= ctx / hi) & (wavelen <= ctx / lo)
-        return torch.where(middle, blended, slowed)
-    return inv
-
-
-def _rotate_half(x: Tensor) -> Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def _apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:  # x [..., T, hd]; cos/sin [T, hd]
-    return x * cos + _rotate_half(x) * sin
-
-
 class Attention(nn.Module):
     """Llama attention whose q/k/v read the 2H concat; the score pattern is the caller's (``attend``)."""
 
@@ -261,7 +203,7 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(B, T, self.num_kv_heads, self.groups, self.head_dim).permute(0, 2, 3, 1, 4)
         k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        return _apply_rope(q, cos, sin), _apply_rope(k, cos, sin), v
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
 def attention(
@@ -297,7 +239,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, c: Eagle3Config):
         super().__init__()
         self.self_attn = Attention(c)
-        self.mlp = MLP(c)
+        self.mlp = MLP(c.hidden_size, c.intermediate_size, c.hidden_act)
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
@@ -404,10 +346,6 @@ class Eagle3Drafter(nn.Module):
         self.d2t.copy_(d2t)
         self.t2d.copy_(t2d)
 
-    def draft_to_target(self, draft_ids: Tensor) -> Tensor:
-        """Draft-vocabulary ids -> target ids (``i + d2t[i]``), any shape."""
-        return draft_ids + self.d2t[draft_ids]
-
     @torch.no_grad()
     def embed(self, ids: Tensor) -> Tensor:
         """Frozen target embedding of target-vocabulary ids: [...] -> [..., H] in the draft's dtype."""
@@ -423,10 +361,9 @@ class Eagle3Drafter(nn.Module):
         inv = self._inv_freq_by_device.get(dev)
         if inv is None:
             inv = self._inv_freq_by_device[dev] = self._inv_freq.to(dev)
-        freqs = positions.float()[:, None] * inv[None, :]  # [T, hd/2]
-        emb = torch.cat([freqs, freqs], dim=-1)
+        cos, sin = rope_cos_sin(positions, inv)  # [T, hd] float32
         dt = self.fc.weight.dtype
-        return emb.cos().to(dt), emb.sin().to(dt)
+        return cos.to(dt), sin.to(dt)
 
     # --------------------------------------------------------------- training
     def forward(self, batch, tout) -> DraftOutput:
@@ -681,20 +618,3 @@ class Eagle3Session:
             q=q[:kept] if q is not None else None,
             head_probs=head_probs[:kept] if head_probs is not None else None,
         )
-
-    @torch.no_grad()
-    def teacher_forced(self, tokens: Tensor) -> Tensor:
-        """Draft logits [j+1, Vd] after the committed context when the chain is fed ``tokens``
-        [j] (target ids) instead of its own: row 0 is the first proposal's logits, row i the
-        logits of draft step i. For checks and evaluation; leaves no speculative keys behind."""
-        if self._h is None:
-            raise RuntimeError("teacher_forced: extend() the session with the prompt first")
-        d = self.drafter
-        self._cache.crop(self.committed)
-        out = [self._logits]
-        h = self._h
-        for j in range(tokens.shape[0]):
-            h, hn = self._step(d.embed(tokens[j : j + 1][None]), h)
-            out.append(d.lm_head(hn[0, 0]))
-        self._cache.crop(self.committed)
-        return torch.stack(out)

@@ -1,7 +1,7 @@
 """What a drafter proposes per round, and the logits warper both sides of verification share.
 
 The decoding engine warps the target's logits with the same ``warp_logits`` the drafter uses for
-``q``, so ``p`` and ``q`` are temperature-scaled and truncated identically (RESEARCH.md section 1).
+``q``, so ``p`` and ``q`` are temperature-scaled and truncated identically.
 """
 
 from __future__ import annotations

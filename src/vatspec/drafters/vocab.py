@@ -42,16 +42,6 @@ def build_draft_vocab(counts: Tensor, size: int) -> tuple[Tensor, Tensor]:
     return d2t, t2d
 
 
-def count_tokens(input_ids: Tensor, mask: Tensor, vocab_size: int) -> Tensor:
-    """Counts ``[V]`` of the ids in ``input_ids`` where ``mask`` is True (e.g. the loss mask)."""
-    if input_ids.shape != mask.shape:
-        raise ValueError(f"input_ids {tuple(input_ids.shape)} and mask {tuple(mask.shape)} differ in shape")
-    ids = input_ids[mask.bool()].reshape(-1).long()
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
-        raise ValueError(f"token ids must lie in [0, {vocab_size}), got [{int(ids.min())}, {int(ids.max())}]")
-    return torch.bincount(ids.cpu(), minlength=vocab_size)
-
-
 def target_ids(d2t: Tensor) -> Tensor:
     """The target id of every draft id: ``arange(Vd) + d2t`` -> [Vd] long."""
     return torch.arange(d2t.numel(), device=d2t.device, dtype=torch.long) + d2t.long()

@@ -1,0 +1,186 @@
+"""Regeneration: replace the assistant turns by the target's own responses, resumably."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from vatspec.data.chat import require_template
+from vatspec.data.records import Conversation, DataError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RegenStats:
+    conversations: int = 0  # written in this run
+    skipped_done: int = 0  # already in the output file (resume)
+    too_long: int = 0  # first prompt over max_prompt_tokens: not written
+    turns: int = 0  # assistant turns generated
+    new_tokens: int = 0  # generated tokens, end-of-turn token included
+    truncated_turns: int = 0  # stopped at max_new_tokens without an end-of-turn token
+    seconds: float = 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def regenerate(
+    convs: Sequence[Conversation],
+    target,
+    out_path: str | os.PathLike,
+    *,
+    batch_size: int = 8,
+    max_new_tokens: int = 512,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    max_prompt_tokens: int = 2048,
+    progress: bool = True,
+) -> RegenStats:
+    """Replace each assistant turn by the target's own response; append records to ``out_path``.
+
+    Every user turn gets one response, generated from the regenerated history (the original
+    assistant turns are dropped; a prompt-only conversation gets a response per user turn).
+    Greedy when ``temperature == 0``. Generation stops at any ``target.eos_token_ids`` (the
+    end token is not kept in the text) or after ``max_new_tokens`` (counted in
+    ``truncated_turns``). A conversation stops at the first round whose prompt exceeds
+    ``max_prompt_tokens``; if that is the first round it is not written (``too_long``).
+
+    Resumable: each finished conversation is appended as one JSON line (flush + fsync); a
+    restart skips ids already in the file, after cutting off a partial last line.
+    Conversations are batched ``batch_size`` at a time with left padding, longest prompts first.
+    """
+    from tqdm.auto import tqdm
+
+    tok = target.tokenizer
+    require_template(tok)
+    ids = [c.id for c in convs]
+    if len(set(ids)) != len(ids):
+        dup = next(i for i in ids if ids.count(i) > 1)
+        raise DataError(f"regenerate: conversation ids must be unique; {dup!r} repeats")
+    out_path = Path(out_path)
+    done = _resume_ids(out_path)
+    todo = [c for c in convs if c.id not in done]
+    stats = RegenStats(skipped_done=len(convs) - len(todo))
+    todo.sort(key=lambda c: -sum(len(m["content"]) for m in c.messages if m["role"] != "assistant"))
+    eos = list(target.eos_token_ids)
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    bar = tqdm(total=len(todo), unit="conv", desc="regenerate", disable=not progress)
+    with open(out_path, "a", encoding="utf-8") as f:
+        for b in range(0, len(todo), batch_size):
+            chunk = todo[b : b + batch_size]
+            torch.manual_seed(zlib.crc32(f"{seed}:{chunk[0].id}".encode()))
+            for conv, finishes in _regenerate_batch(chunk, target, eos, pad_id, max_new_tokens, temperature, top_p,
+                                                    max_prompt_tokens, stats):
+                if not finishes:
+                    stats.too_long += 1
+                    continue
+                meta = dict(conv.meta, finish=finishes)
+                rec = Conversation(conv.id, conv.messages, meta).to_json()
+                f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+                stats.conversations += 1
+            stats.seconds = time.perf_counter() - t0
+            bar.update(len(chunk))
+            bar.set_postfix(tok_s=f"{stats.tokens_per_s:.1f}", tokens=stats.new_tokens)
+    bar.close()
+    stats.seconds = time.perf_counter() - t0
+    return stats
+
+
+def _regenerate_batch(convs, target, eos, pad_id, max_new_tokens, temperature, top_p, max_prompt_tokens, stats):
+    """Run the rounds of a batch together; yields ``(conversation, finish reasons)`` per input."""
+    from transformers import GenerationConfig
+
+    tok = target.tokenizer
+    gen_cfg = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        do_sample=temperature > 0,
+        temperature=temperature if temperature > 0 else None,
+        top_p=top_p if temperature > 0 else None,
+        top_k=None,
+        eos_token_id=eos,
+        pad_token_id=pad_id,
+    )
+    pending = [[m for m in c.messages if m["role"] != "assistant"] for c in convs]
+    history: list[list[dict]] = [[] for _ in convs]
+    finishes: list[list[str]] = [[] for _ in convs]
+    stopped = [False] * len(convs)
+    while True:
+        # 1. advance each conversation to its next user turn
+        rows, prompts = [], []
+        for j, msgs in enumerate(pending):
+            while msgs and not stopped[j]:
+                m = msgs.pop(0)
+                history[j].append(m)
+                if m["role"] == "user":
+                    text = tok.apply_chat_template(history[j], tokenize=False, add_generation_prompt=True)
+                    p = tok(text, add_special_tokens=False)["input_ids"]
+                    if len(p) > max_prompt_tokens:
+                        history[j].pop()
+                        stopped[j] = True
+                        break
+                    rows.append(j)
+                    prompts.append(p)
+                    break
+        if not rows:
+            break
+        # 2. left-pad and generate
+        T = max(len(p) for p in prompts)
+        input_ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
+        attn = torch.zeros((len(rows), T), dtype=torch.long)
+        for r, p in enumerate(prompts):
+            input_ids[r, T - len(p) :] = torch.tensor(p)
+            attn[r, T - len(p) :] = 1
+        with torch.no_grad():
+            out = target.model.generate(
+                input_ids=input_ids.to(target.device), attention_mask=attn.to(target.device), generation_config=gen_cfg
+            )
+        # 3. cut each row at its first end token; the text excludes it
+        for r, j in enumerate(rows):
+            new = out[r, T:].tolist()
+            stop = next((k for k, t in enumerate(new) if t in eos), None)
+            finishes[j].append("length" if stop is None else "stop")
+            stats.truncated_turns += stop is None
+            kept = new if stop is None else new[:stop]
+            stats.new_tokens += len(kept) + (stop is not None)
+            stats.turns += 1
+            history[j].append({"role": "assistant", "content": tok.decode(kept, skip_special_tokens=False)})
+    for j, conv in enumerate(convs):
+        # trailing system turns after the last user turn carry nothing to train on
+        while history[j] and history[j][-1]["role"] != "assistant":
+            history[j].pop()
+        yield Conversation(conv.id, history[j], conv.meta), finishes[j]
+
+
+def _resume_ids(path: Path) -> set[str]:
+    """Ids already written to ``path``; cuts off a partial last line left by an interrupted run."""
+    if not path.is_file():
+        return set()
+    with open(path, "rb+") as f:
+        data = f.read()
+        keep = data.rfind(b"\n") + 1
+        if keep < len(data):
+            log.warning("%s: cut off a partial last line (%d bytes) from an interrupted run", path, len(data) - keep)
+            f.truncate(keep)
+    done = set()
+    for i, line in enumerate(data[:keep].decode("utf-8").split("\n"), 1):
+        if line.strip():
+            try:
+                done.add(str(json.loads(line)["id"]))
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise DataError(f"{path}:{i}: not a regenerated record ({e}); refusing to append to it") from None
+    return done

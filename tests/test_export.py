@@ -1,4 +1,4 @@
-"""Served formats (issue #8): round trips, the exact key sets, the layer ids each engine reads,
+"""Served formats: round trips, the exact key sets, the layer ids each engine reads,
 validation, atomic writes, target checks, the CLI, third-party drafts.
 
 The expected key sets and fields below are written from the engines' own loaders (SGLang
@@ -21,6 +21,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from tests.conftest import StubTokenizer, tiny_llama
+from vatspec.commands.export import target_shell
 from vatspec.decode import generate
 from vatspec.drafters.base import AcceptHead
 from vatspec.drafters.dflash import DFlashConfig, DFlashDrafter
@@ -32,7 +33,6 @@ from vatspec.export import (
     import_draft,
     load_accept_head,
     load_any_draft,
-    target_shell,
     validate_export,
 )
 from vatspec.target import Target
@@ -323,7 +323,7 @@ def test_writes_atomically_and_refuses_to_overwrite(target, tmp_path, monkeypatc
     before = (out / "model.safetensors").read_bytes()
     with pytest.raises(ExportError, match="not empty; pass --force"):
         export_draft(d, target, out)
-    import vatspec.export as ex
+    import vatspec.export.write as ex
 
     def broken(folder, target=None):
         raise ExportError("simulated validation failure")

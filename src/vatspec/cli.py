@@ -16,7 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "regenerate": ("vatspec.commands.data_cmds:regenerate", "replace assistant turns by the target's own responses"),
     "train": ("vatspec.train", "train an EAGLE-3 or DFlash drafter (loss.kind=eagle3|dflash|vat)"),
     "eval": ("vatspec.bench", "speculative decoding: tau and wall-clock speedup on benchmarks"),
-    "export": ("vatspec.export", "write a draft in SGLang / vLLM / speculators format"),
+    "export": ("vatspec.commands.export", "write a draft in SGLang / vLLM / speculators format"),
     "demo": ("vatspec.demo", "the main job: baselines vs VAT on the embedded default target"),
     "ablate": ("vatspec.demo:ablate", "the paper's ablation on one drafter"),
 }

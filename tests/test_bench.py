@@ -173,11 +173,10 @@ def test_prompt_ids():
 def test_eval_command(tiny, tmp_path, monkeypatch):
     """``vatspec eval`` wires checkpoints, benchmarks and prompt files into evaluate + report."""
     from vatspec import cli, data
-    from vatspec.target import Target
 
     target, methods, prompts = tiny
-    monkeypatch.setattr(Target, "load", classmethod(lambda cls, name, **kw: target))
-    monkeypatch.setattr(bench, "load_drafter", lambda path, t: (OracleDrafter(t, [2]), None))
+    monkeypatch.setattr("vatspec.target.open_target", lambda path, **kw: target)
+    monkeypatch.setattr("vatspec.checkpoint.open_draft", lambda path, t: (OracleDrafter(t, [2]), None))
     monkeypatch.setattr(data, "load_benchmark", lambda name: [[BOS, 3, 4], [BOS, 8]])
     user = tmp_path / "mine.jsonl"
     user.write_text("")
@@ -193,9 +192,9 @@ def test_eval_command(tiny, tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_smollm2_ar_matches_hf_generate():
-    from vatspec.target import Target
+    from vatspec.target import open_target
 
-    target = Target.default()
+    target = open_target("default", device="cpu", dtype="float32")
     conv = [{"role": "user", "content": "Name three primary colours."}]
     res = evaluate(target, {}, {"chat": [conv]}, max_new_tokens=24, warmup=0, progress=False)
     s = res["summary"]

@@ -115,13 +115,13 @@ def test_lockstep_arms_equal_separate_runs(tiny_target_dir, data_file, tmp_path)
 
 
 def test_checkpoint_loads_for_decoding(tiny_target_dir, data_file, tmp_path):
-    from vatspec.checkpoint import load_draft
+    from vatspec.checkpoint import open_draft
     from vatspec.target import Target
 
     cfg = _cfg(tiny_target_dir, data_file, tmp_path / "run", "loss.kind=vat", "train.steps=1")
     train(cfg, progress=False)
     target = Target.from_pretrained(tiny_target_dir)
-    drafter, head = load_draft(tmp_path / "run", target)
+    drafter, head = open_draft(tmp_path / "run", target)
     assert drafter.kind == "eagle3" and head is not None
     saved = (tmp_path / "run" / "checkpoints" / "step-000001" / "config.yaml").read_text()
     assert "kind: vat" in saved
@@ -165,7 +165,7 @@ def test_ddp_two_cpu_processes_hold_identical_weights(tiny_target_dir, data_file
 @pytest.mark.parametrize("kind", ["eagle3", "dflash"])
 def test_trained_drafter_decodes_losslessly_with_and_without_early_exit(tiny_target_dir, data_file, tmp_path, kind):
     """T = 0 output equals HF generate() greedy for a VAT-trained drafter (head on), early exit on and off."""
-    from vatspec.checkpoint import load_draft
+    from vatspec.checkpoint import open_draft
     from vatspec.decode import generate
     from vatspec.target import Target
 
@@ -173,7 +173,7 @@ def test_trained_drafter_decodes_losslessly_with_and_without_early_exit(tiny_tar
                "train.steps=6", "optim.lr=1e-2", "drafter.mask_token_id=16")
     train(cfg, progress=False)
     target = Target.from_pretrained(tiny_target_dir)
-    drafter, head = load_draft(tmp_path / "run", target)
+    drafter, head = open_draft(tmp_path / "run", target)
     assert head is not None
     tok = target.tokenizer
     for text in ["Count from 3 to 8, please.", "Say hello.", "Count from 11 to 16, please."]:

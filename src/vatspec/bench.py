@@ -375,13 +375,6 @@ def write_report(
 
 
 # --------------------------------------------------------------------------- command
-def load_drafter(path: str | Path, target):
-    """A training checkpoint, a run folder or an exported served draft -> ``(drafter, head | None)``."""
-    from vatspec.export import load_any_draft
-
-    return load_any_draft(path, target)
-
-
 def _relative_to(specs: Sequence[str], methods: Sequence[str]) -> dict[str, str] | None:
     """``["BASE"]`` -> every other method vs BASE; ``["M=BASE", ...]`` -> M vs BASE; both may mix."""
     out: dict[str, str] = {}
@@ -449,18 +442,18 @@ def run(args) -> int:
 
 def _run(args) -> int:
     from vatspec import data
-    from vatspec.target import Target
+    from vatspec.checkpoint import open_draft
+    from vatspec.target import open_target
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    target = Target.load(args.target, dtype=getattr(torch, args.dtype), device=device)
+    target = open_target(args.target, device=args.device, dtype=args.dtype)
     methods = {}
     for spec in args.draft:
         name, path = _parse_draft(spec)
         if name in methods:
             raise SystemExit(f"--draft: method name {name!r} given twice")
-        drafter, head = load_drafter(path, target)
+        drafter, head = open_draft(path, target)
         methods[name] = (drafter, None if args.no_head else head)
     benches = args.bench or ([] if args.prompts else data.list_benchmarks())
     prompts = {b: data.load_benchmark(b) for b in benches}

@@ -161,17 +161,21 @@ class Arm:
 
 # ----------------------------------------------------------------------------- distributed
 def _dist_setup(device_pref: str) -> tuple[int, int, torch.device]:
+    from vatspec.target import resolve_device
+
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if device_pref == "auto":
-        device_pref = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = resolve_device(device_pref, "target.device")
+    except ValueError as e:
+        raise TrainError(str(e)) from None
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device_pref == "cuda" else "gloo")
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     rank = dist.get_rank() if dist.is_initialized() else 0
-    if device_pref == "cuda":
+    if device.type == "cuda" and device.index is None:  # one GPU per rank
         local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
         return rank, world, torch.device("cuda", local)
-    return rank, world, torch.device(device_pref)
+    return rank, world, device
 
 
 def _all_reduce_mean(values: dict, world: int) -> dict:
@@ -207,7 +211,7 @@ def train_arms(cfgs: list[Config], *, resume: bool = False, init_from: str | Non
     own optimiser, schedule, RNG stream and run folder); the target's cost is paid once.
     ``target`` may be passed in to reuse a loaded model. Returns each arm's final held-out metrics."""
     from vatspec import data as D
-    from vatspec.target import Target
+    from vatspec.target import open_target
 
     base = cfgs[0]
     for c in cfgs[1:]:
@@ -236,9 +240,8 @@ def train_arms(cfgs: list[Config], *, resume: bool = False, init_from: str | Non
     if not base.data.train:
         raise TrainError("data.train is empty: name a conversations file (JSONL/JSON/HF dataset folder)")
     convs = D.load_conversations(base.data.train, skip_bad=base.data.skip_bad)  # bad data fails before the model loads
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[base.target.dtype]
     if target is None:
-        target = Target.load(base.target.path, dtype=dtype, device=device)
+        target = open_target(base.target.path, device=device, dtype=base.target.dtype)
     tok = target.tokenizer
     if base.data.heldout:
         train_convs, held_convs = convs, D.load_conversations(base.data.heldout, skip_bad=base.data.skip_bad)
@@ -352,9 +355,7 @@ def _build_arm(cfg: Config, target, counts, total: int, world: int, device, init
     )
     torch.manual_seed(cfg.train.seed)  # same init for every arm of a kind: a fair comparison
     if init_from:  # a training checkpoint, a run folder, or an exported served draft
-        from vatspec.export import load_any_draft
-
-        drafter, _ = load_any_draft(init_from, target, ttt_steps=cfg.drafter.ttt_steps)
+        drafter, _ = ckpt_io.open_draft(init_from, target, ttt_steps=cfg.drafter.ttt_steps)
         drafter.train()
     else:
         drafter = build_drafter(cfg.drafter, target, counts)

@@ -99,7 +99,7 @@ def _regen_run(args: argparse.Namespace) -> int:
     import torch
 
     from vatspec.data import DataError, load_benchmark, load_conversations, regenerate
-    from vatspec.target import Target, TargetError
+    from vatspec.target import TargetError, open_target
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.threads:
@@ -114,10 +114,8 @@ def _regen_run(args: argparse.Namespace) -> int:
         return 1
     if args.limit is not None:
         convs = convs[: args.limit]
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype_name = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     try:
-        target = Target.load(args.target, dtype=getattr(torch, dtype_name), device=device)
+        target = open_target(args.target, device=args.device or "auto", dtype=args.dtype)
     except TargetError as e:
         print(f"vatspec regenerate: {e}")
         return 1

@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-import torch
-
-from vatspec.checkpoint import CheckpointError, load_draft, resolve_checkpoint
-from vatspec.export import DEFAULT_FORMAT, FORMATS, ExportError, export_draft, to_vllm_ids
-from vatspec.export.formats import DTYPES, HEAD_DIR
+from vatspec.checkpoint import CheckpointError, open_draft, saved_config
+from vatspec.export import DEFAULT_FORMAT, FORMATS, export_draft, to_vllm_ids
+from vatspec.export.formats import HEAD_DIR
+from vatspec.target import DTYPES
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -29,13 +27,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from vatspec.target import TargetError
+    from vatspec.target import TargetError, open_target
 
     try:
-        ckpt = resolve_checkpoint(args.checkpoint)
-        target_path = args.target or _saved_target_path(ckpt)
-        target = target_shell(target_path)
-        drafter, head = load_draft(ckpt, target, device="cpu")
+        target_path = args.target or _saved_target_path(args.checkpoint)
+        target = open_target(target_path, device="meta")  # config and tokenizer: no weight is read
+        drafter, head = open_draft(args.checkpoint, target, device="cpu")
         fmt = args.format or DEFAULT_FORMAT[drafter.kind]
         out = export_draft(drafter, target, args.out, fmt=fmt, head=head, exit_threshold=args.exit_threshold,
                            dtype=args.dtype, force=args.force, speculative_tokens=args.speculative_tokens,
@@ -52,29 +49,8 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def target_shell(name_or_path: str | Path | None):
-    """The target's config and tokenizer, its modules on the meta device: everything an export reads
-    (sizes, layer count, model family, MASK token), without loading a single weight."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    from vatspec.target import DEFAULT_NAME, Target, TargetError, prepare_default_target
-
-    default = name_or_path in (None, "", "default", "smollm2", DEFAULT_NAME)
-    path = prepare_default_target() if default else Path(name_or_path)
-    if not (Path(path) / "config.json").is_file():
-        raise TargetError(f"target path {path} has no config.json: not a Hugging Face model folder")
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
-    return Target(model, AutoTokenizer.from_pretrained(path), path)
-
-
-def _saved_target_path(ckpt: Path) -> str:
-    import yaml
-
-    saved = ckpt / "config.yaml"
-    path = None
-    if saved.is_file():
-        path = ((yaml.safe_load(saved.read_text()) or {}).get("target") or {}).get("path")
-    if not path:
-        raise ExportError(f"{saved} names no target.path; pass --target")
-    return str(path)
+def _saved_target_path(path: str) -> str:
+    try:
+        return saved_config(path).target.path
+    except CheckpointError as e:
+        raise CheckpointError(f"{e}; pass --target") from e

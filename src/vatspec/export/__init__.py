@@ -34,9 +34,10 @@ engine's own convention, which differ:
 
 The defaults agree: EAGLE-3 outputs of 1, L//2-1, L-4 are SGLang's and vLLM's ``[2, L//2, L-3]``.
 
-Import (``import_draft``, ``load_any_draft``) reads the three formats, including third-party drafts
-(bf16, ``pytorch_model.bin``, an ``embed_tokens.weight`` equal to the target's), into this
-project's drafter classes, and fails with the field at fault when the draft does not fit the target.
+Import (``import_draft``) reads the three formats, including third-party drafts (bf16,
+``pytorch_model.bin``, an ``embed_tokens.weight`` equal to the target's), into this project's
+drafter classes, and fails with the field at fault when the draft does not fit the target.
+Commands open any draft, served or a training checkpoint, with ``vatspec.checkpoint.open_draft``.
 """
 
 from vatspec.export.formats import (
@@ -48,7 +49,7 @@ from vatspec.export.formats import (
     expected_weights,
     to_vllm_ids,
 )
-from vatspec.export.read import import_draft, load_accept_head, load_any_draft
+from vatspec.export.read import import_draft, load_accept_head
 from vatspec.export.validate import validate_export
 from vatspec.export.write import build_config, export_draft
 
@@ -63,7 +64,6 @@ __all__ = [
     "export_draft",
     "import_draft",
     "load_accept_head",
-    "load_any_draft",
     "to_vllm_ids",
     "validate_export",
 ]

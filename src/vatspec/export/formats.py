@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
-
 from vatspec.checkpoint import CheckpointError
 
 FORMATS: dict[str, str] = {"eagle3-hf": "eagle3", "speculators": "eagle3", "dflash": "dflash"}  # -> drafter kind
@@ -15,7 +13,6 @@ DEFAULT_FORMAT = {"eagle3": "eagle3-hf", "dflash": "dflash"}
 CONFIG, WEIGHTS, HEAD_DIR = "config.json", "model.safetensors", "accept_head"
 HEAD_FORMAT = "vatspec-accept-head"
 HEAD_INPUT = "draft_hidden_post_norm"  # the drafter's last hidden state after its final norm (lm_head's input)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 EAGLE3_ARCHS = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 
 # The fields each format's config.json holds: exactly these, no more (validate_export checks).

@@ -4,14 +4,12 @@ VAT accept head saved beside it. Fails with the field at fault when the draft do
 from __future__ import annotations
 
 import warnings
-from dataclasses import replace
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 from torch import Tensor
 
-from vatspec.checkpoint import load_draft, resolve_checkpoint
 from vatspec.drafters.base import AcceptHead
 from vatspec.drafters.dflash import DFlashConfig, DFlashDrafter, default_target_layer_ids
 from vatspec.drafters.eagle3 import Eagle3Config, Eagle3Drafter, default_layer_ids
@@ -217,26 +215,3 @@ def load_accept_head(path: str | Path, *, device: str | torch.device | None = No
     except RuntimeError as e:
         raise ExportError(f"{HEAD_DIR}/head.safetensors does not fit hidden_size={meta['hidden_size']}: {e}") from e
     return head.to(device or "cpu").eval(), (None if thr is None else float(thr))
-
-
-def load_any_draft(path: str | Path, target, *, device: str | torch.device | None = None,
-                   ttt_steps: int | None = None):
-    """``(drafter, head | None)`` from a training checkpoint, a run folder or an exported draft folder.
-
-    ``ttt_steps`` (EAGLE-3) replaces the draft's TTT unroll length, e.g. the run's own setting when
-    fine-tuning a published draft (``vatspec train --init-from``)."""
-    p = Path(path)
-    if (p / "drafter.safetensors").is_file() or (p / "latest").is_file():
-        drafter, head = load_draft(resolve_checkpoint(p), target, device=device)
-        if ttt_steps is not None and drafter.kind == "eagle3" and ttt_steps != drafter.config.ttt_steps:
-            new = Eagle3Drafter(replace(drafter.config, ttt_steps=int(ttt_steps)))
-            new.attach_target(target)
-            new.load_state_dict(drafter.state_dict())
-            drafter = new.to(device or target.device).eval()
-        return drafter, head
-    if (p / CONFIG).is_file():
-        drafter = import_draft(p, target, ttt_steps=ttt_steps, device=device)
-        head = load_accept_head(p, device=device or target.device)[0] if (p / HEAD_DIR).is_dir() else None
-        return drafter, head
-    raise ExportError(f"{p} is neither a training checkpoint (drafter.safetensors), a run folder (latest) "
-                      f"nor an exported draft ({CONFIG})")

@@ -13,7 +13,6 @@ from vatspec.drafters.vocab import check_draft_vocab
 from vatspec.export.formats import (
     CONFIG,
     CONFIG_KEYS,
-    DTYPES,
     HEAD_DIR,
     LLAMA_LAYER_KEYS,
     WEIGHTS,
@@ -24,6 +23,7 @@ from vatspec.export.formats import (
     to_vllm_ids,
 )
 from vatspec.export.read import load_accept_head
+from vatspec.target import DTYPES
 
 
 def validate_export(path: str | Path, target=None) -> str:

@@ -15,7 +15,6 @@ from vatspec.drafters.eagle3 import Eagle3Config
 from vatspec.export.formats import (
     CONFIG,
     DEFAULT_FORMAT,
-    DTYPES,
     FORMATS,
     HEAD_DIR,
     HEAD_FORMAT,
@@ -26,6 +25,7 @@ from vatspec.export.formats import (
     to_vllm_ids,
 )
 from vatspec.export.validate import validate_export
+from vatspec.target import DTYPES, dtype_name
 
 
 # ----------------------------------------------------------------------------- config.json
@@ -94,7 +94,7 @@ def export_draft(
 ) -> Path:
     """Write ``drafter`` (and ``head`` beside it) as a served draft folder; return the folder.
 
-    ``fmt`` defaults from the drafter kind; ``dtype`` (float32 | bfloat16 | float16) from its weights.
+    ``fmt`` defaults from the drafter kind; ``dtype`` (float32 | bfloat16 | float16, or an alias) from its weights.
     The folder is written under a temporary name, validated (``validate_export``) and only then
     renamed to ``out``; an existing non-empty ``out`` is replaced only with ``force``.
     """
@@ -106,9 +106,10 @@ def export_draft(
     if exit_threshold is not None and head is None:
         raise ExportError("--exit-threshold needs an accept head (the checkpoint has no head.safetensors)")
     _check_exportable(drafter)
-    dtype = dtype or {v: k for k, v in DTYPES.items()}.get(drafter.fc.weight.dtype, str(drafter.fc.weight.dtype))
-    if dtype not in DTYPES:
-        raise ExportError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
+    try:
+        dtype = dtype_name(dtype or drafter.fc.weight.dtype)
+    except ValueError as e:
+        raise ExportError(str(e)) from None
     cfg = build_config(fmt, drafter, target, dtype, speculative_tokens=speculative_tokens, verifier=verifier)
     state = {
         served_name(fmt, k): (v.to(DTYPES[dtype]) if v.is_floating_point() else v).detach().cpu().contiguous()

@@ -452,7 +452,7 @@ def test_imports_third_party_variants(target, tmp_path):
 def test_cli_exports_a_trained_run_and_train_can_start_from_it(smol_tokenizer_target, tmp_path, monkeypatch):
     from vatspec.cli import main
     from vatspec.config import load_config
-    from vatspec.train import train
+    from vatspec.train import TrainError, train
 
     t = smol_tokenizer_target
     data = tmp_path / "train.jsonl"
@@ -497,3 +497,8 @@ def test_cli_exports_a_trained_run_and_train_can_start_from_it(smol_tokenizer_ta
     train(cfg, init_from=str(tmp_path / "sp"), progress=False)
     d, _ = open_draft(runs["ft"], t)
     assert d.kind == "eagle3" and d.config.draft_vocab_size == 128
+    # the loss was resolved for drafter.kind: a draft of the other kind is refused before training
+    other = load_config(None, [f"target.path={t.path}", f"data.train={data}", f"train.out_dir={tmp_path / 'x'}",
+                               "drafter=dflash", "loss=vat"])
+    with pytest.raises(TrainError, match="is a eagle3 draft, but drafter.kind=dflash; pass drafter.kind=eagle3"):
+        train(other, init_from=str(tmp_path / "sp"), progress=False)

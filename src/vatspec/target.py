@@ -69,8 +69,8 @@ def device_name(device: str | torch.device, what: str = "device") -> str:
         return "auto"
     try:
         torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise ValueError(f"{what} {str(device)!r} is not a device (auto, cpu, cuda, cuda:N, mps, meta): {e}") from None
+    except (RuntimeError, TypeError):
+        raise ValueError(f"{what} {str(device)!r} is not a device (auto, cpu, cuda, cuda:N, mps, meta)") from None
     return str(device)
 
 

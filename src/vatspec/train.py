@@ -214,6 +214,10 @@ def train_arms(cfgs: list[Config], *, resume: bool = False, init_from: str | Non
     from vatspec.target import open_target
 
     base = cfgs[0]
+    for c in cfgs:
+        if not c.loss.resolved:
+            raise TrainError(f"{c.train.out_dir}: the loss config is not resolved for its drafter; build the config "
+                             "with vatspec.config.load_config or pass it through vatspec.config.resolve_loss")
     for c in cfgs[1:]:
         for sec in SHARED_SECTIONS:
             if getattr(c, sec) != getattr(base, sec):
@@ -357,10 +361,11 @@ def _build_arm(cfg: Config, target, counts, total: int, world: int, device, init
     if init_from:  # a training checkpoint, a run folder, or an exported served draft
         drafter, _ = ckpt_io.open_draft(init_from, target, ttt_steps=cfg.drafter.ttt_steps)
         drafter.train()
+        _check_init_from(drafter, cfg, init_from)
     else:
         drafter = build_drafter(cfg.drafter, target, counts)
     drafter.to(device)
-    loss_cfg = cfg.loss.resolve(drafter.schedule, block_size=getattr(drafter, "block_size", None))
+    loss_cfg = cfg.loss  # resolved with the config (config.resolve_loss)
     head = AcceptHead(drafter.hidden_size).to(device) if loss_cfg.head else None
     module = TrainModule(drafter, head)
     model = nn.parallel.DistributedDataParallel(module) if world > 1 else module
@@ -368,8 +373,18 @@ def _build_arm(cfg: Config, target, counts, total: int, world: int, device, init
     opt = torch.optim.AdamW(params, lr=optim_cfg.lr, betas=optim_cfg.betas, weight_decay=optim_cfg.weight_decay)
     warmup = int(round(optim_cfg.warmup_ratio * total))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total, warmup, optim_cfg.min_lr_ratio))
-    config_yaml = dump_config(replace(cfg, optim=optim_cfg, loss=loss_cfg))
+    config_yaml = dump_config(replace(cfg, optim=optim_cfg))
     return Arm(cfg, module, model, loss_cfg, optim_cfg, opt, sched, params, Path(cfg.train.out_dir), config_yaml)
+
+
+def _check_init_from(drafter, cfg: Config, init_from: str) -> None:
+    """The loss was resolved for ``cfg.drafter``: the draft started from must be that drafter."""
+    if drafter.kind != cfg.drafter.kind:
+        raise TrainError(f"--init-from {init_from} is a {drafter.kind} draft, but drafter.kind={cfg.drafter.kind}; "
+                         f"pass drafter.kind={drafter.kind}")
+    if drafter.kind == "dflash" and drafter.block_size != cfg.drafter.block_size:
+        raise TrainError(f"--init-from {init_from} has block size {drafter.block_size}, but "
+                         f"drafter.block_size={cfg.drafter.block_size}; pass drafter.block_size={drafter.block_size}")
 
 
 def _restore_arm(arm: Arm, ck: Path) -> dict:

@@ -1,4 +1,4 @@
-"""``vatspec train``: one loop for every drafter and every loss.
+"""The training loop: one loop for every drafter and every loss (``vatspec train``, ``commands/train.py``).
 
 The loop does no math: per micro-batch it asks the drafter what the target must compute, runs
 the frozen target (online mode, under no_grad), lets the drafter build its K-position chains,
@@ -11,7 +11,6 @@ Runs unchanged under ``torchrun --nproc_per_node=N`` (DDP: gloo on CPU, NCCL on 
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -28,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from vatspec import checkpoint as ckpt_io
-from vatspec.config import Config, ConfigError, OptimConfig, dump_config, load_config
+from vatspec.config import Config, OptimConfig, dump_config
 from vatspec.drafters import DrafterPlan, build_drafter, plan_batch
 from vatspec.drafters.base import AcceptHead
 from vatspec.losses import vat_objective
@@ -467,28 +466,3 @@ def _progress(total: int, initial: int, enabled: bool, desc: str, position: int 
 
     return tqdm(total=total, initial=initial, disable=not enabled, desc=desc, dynamic_ncols=True, position=position,
                 file=sys.stderr)
-
-
-# ----------------------------------------------------------------------------- CLI
-def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("overrides", nargs="*", help="section.field=value overrides (e.g. loss.kind=vat)")
-    parser.add_argument("--config", help="YAML file of overrides")
-    parser.add_argument("--resume", action="store_true", help="continue the run in train.out_dir")
-    parser.add_argument("--init-from", help="start from an existing draft (checkpoint or exported folder)")
-    parser.add_argument("--no-progress", action="store_true")
-
-
-def run(args: argparse.Namespace) -> int:
-    from vatspec.data import DataError
-    from vatspec.target import TargetError
-
-    try:
-        cfg = load_config(args.config, args.overrides)
-        metrics = train(cfg, resume=args.resume, init_from=args.init_from, progress=not args.no_progress)
-    except (ConfigError, TrainError, ckpt_io.CheckpointError, DataError, TargetError) as e:
-        print(f"vatspec train: error: {e}", file=sys.stderr)
-        return 2
-    if metrics:
-        keys = ["tau_sim", "mean_first_reject", "post_reject_match", "loss"]
-        print("held-out: " + ", ".join(f"{k}={metrics[k]:.4f}" for k in keys if k in metrics))
-    return 0

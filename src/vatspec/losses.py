@@ -32,7 +32,7 @@ SCHEDULES = ("eagle3", "dflash")
 KINDS = ("eagle3", "dflash", "vat")
 WEIGHTS = ("fixed", "adaptive")
 
-# DFlash reference gammas per block size (RESEARCH.md section 3). Other block sizes use
+# The DFlash reference's gammas per block size. Other block sizes use
 # round(block / 2.3), which reproduces 16 -> 7 and stays close to the rest (10 -> 4, 8 -> 3).
 DFLASH_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 

@@ -35,7 +35,7 @@ from vatspec.metrics import MetricAccumulator, chain_metrics
 from vatspec.target import TargetOutput
 from vatspec.verify import simulate_verification
 
-REFERENCE = {  # RESEARCH.md: reference optimiser defaults per drafter
+REFERENCE = {  # the reference recipes' optimiser defaults per drafter (EAGLE-3, DFlash)
     "eagle3": {"lr": 1e-4, "warmup_ratio": 0.015, "grad_clip": 0.5},
     "dflash": {"lr": 6e-4, "warmup_ratio": 0.04, "grad_clip": 1.0},
 }

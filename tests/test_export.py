@@ -393,11 +393,19 @@ def test_open_draft_takes_any_draft_and_raises_only_checkpoint_errors(target, tm
     bad_json = tmp_path / "bad_json"
     shutil.copytree(ckpt, bad_json)
     (bad_json / "drafter.json").write_text("{not json")
+    bad_weights = tmp_path / "bad_weights"
+    shutil.copytree(ckpt, bad_weights)
+    (bad_weights / "drafter.safetensors").write_bytes(b"not safetensors")
+    bad_served = tmp_path / "bad_served"
+    shutil.copytree(served, bad_served)
+    (bad_served / "model.safetensors").write_bytes(b"not safetensors")
     cases = [
         (tmp_path / "nope", target, "nope does not exist"),
         (tmp_path / "empty", target, "neither a training checkpoint"),
         (broken_run, target, "names .*step-000009, which is missing"),
         (bad_json, target, "drafter.json: unreadable"),
+        (bad_weights, target, "drafter.safetensors is unreadable"),
+        (bad_served, target, "bad_served: unreadable weights"),
         (ckpt, other, "vocab_size=96 does not match the target \\(64\\)"),  # a checkpoint, another target
         (served, other, "vocab_size=96 does not match the target \\(64\\)"),  # an export, another target
     ]

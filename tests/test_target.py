@@ -103,8 +103,12 @@ def test_open_target_reads_dtype_aliases_and_devices(tmp_path, default_target_pa
 
 def test_open_target_errors_are_target_errors(tmp_path):
     """Every bad path, device or dtype is a TargetError naming what is wrong (a command prints one line)."""
-    tiny_llama().save_pretrained(tmp_path / "m")
+    tiny_llama().save_pretrained(tmp_path / "m")  # no tokenizer saved
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text("{not json")
     cases = [
+        ((tmp_path / "bad",), {}, "bad/config.json: not a readable model config"),
+        ((tmp_path / "m",), {"device": "cpu"}, "m: no usable tokenizer"),
         ((tmp_path / "nope",), {}, "does not exist"),
         ((tmp_path,), {}, "no config.json"),
         ((tmp_path / "m",), {"dtype": "fp8"}, "dtype 'fp8' is not one of float32, bfloat16, float16 \\(or fp32"),

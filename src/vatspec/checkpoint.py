@@ -21,6 +21,7 @@ import shutil
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from vatspec.drafters.base import AcceptHead
@@ -141,15 +142,16 @@ def _load_checkpoint(ckpt: Path, target, device, ttt_steps: int | None):
         raise CheckpointError(str(e)) from e
     try:
         drafter.load_state_dict(load_file(ckpt / "drafter.safetensors"), strict=True)
-    except RuntimeError as e:
-        raise CheckpointError(f"{ckpt}/drafter.safetensors does not fit the drafter config: {e}") from e
+    except (RuntimeError, OSError, SafetensorError) as e:
+        raise CheckpointError(f"{ckpt}/drafter.safetensors is unreadable or does not fit the drafter config: "
+                              f"{e}") from e
     head = None
     if (ckpt / "head.safetensors").is_file():
         head = AcceptHead(drafter.hidden_size)
         try:
             head.load_state_dict(load_file(ckpt / "head.safetensors"))
-        except RuntimeError as e:
-            raise CheckpointError(f"{ckpt}/head.safetensors does not fit the drafter: {e}") from e
+        except (RuntimeError, OSError, SafetensorError) as e:
+            raise CheckpointError(f"{ckpt}/head.safetensors is unreadable or does not fit the drafter: {e}") from e
         head.to(device).eval()
     return drafter.to(device).eval(), head
 

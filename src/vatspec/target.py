@@ -166,7 +166,10 @@ class Target:
             raise TargetError(f"target path {path} does not exist")
         if not (path / "config.json").is_file():
             raise TargetError(f"target path {path} has no config.json: not a Hugging Face model folder")
-        config = AutoConfig.from_pretrained(path)
+        try:
+            config = AutoConfig.from_pretrained(path)
+        except (OSError, ValueError) as e:
+            raise TargetError(f"{path}/config.json: not a readable model config ({_first_line(e)})") from e
         archs = getattr(config, "architectures", None) or []
         if archs and not any(a.endswith("ForCausalLM") or a.endswith("LMHeadModel") for a in archs):
             raise TargetError(f"{path}/config.json: architectures {archs} is not a causal LM")
@@ -178,7 +181,10 @@ class Target:
                 model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
         except ValueError as e:  # an unknown mapping raises ValueError in transformers
             raise TargetError(f"{path}: not loadable as a causal LM ({e})") from e
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path)
+        except (OSError, ValueError) as e:
+            raise TargetError(f"{path}: no usable tokenizer ({_first_line(e)})") from e
         return cls(model, tokenizer, path)
 
     # ----------------------------------------------------------------- helpers
@@ -300,6 +306,10 @@ def skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     if bias is not None:
         out = out + bias
     return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 def _capture(store: dict[int, Tensor], i: int):

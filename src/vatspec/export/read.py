@@ -3,10 +3,12 @@ VAT accept head saved beside it. Fails with the field at fault when the draft do
 
 from __future__ import annotations
 
+import pickle
 import warnings
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import Tensor
 
@@ -182,15 +184,20 @@ def _dflash_config(cfg: dict, target, src: str) -> DFlashConfig:
 
 def _read_weights(path: Path) -> dict[str, Tensor]:
     """model.safetensors, a sharded safetensors index, or pytorch_model.bin (older EAGLE-3 releases)."""
-    if (path / WEIGHTS).is_file():
-        return load_file(path / WEIGHTS)
     index = path / "model.safetensors.index.json"
-    if index.is_file():
-        shards = sorted(set(read_json(index).get("weight_map", {}).values()))
-        return {k: v for s in shards for k, v in load_file(path / s).items()}
-    if (path / "pytorch_model.bin").is_file():
-        return torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
-    raise ExportError(f"{path}: no {WEIGHTS}, model.safetensors.index.json or pytorch_model.bin")
+    if (path / WEIGHTS).is_file():
+        files = [path / WEIGHTS]
+    elif index.is_file():
+        files = [path / s for s in sorted(set(read_json(index).get("weight_map", {}).values()))]
+    elif (path / "pytorch_model.bin").is_file():
+        files = [path / "pytorch_model.bin"]
+    else:
+        raise ExportError(f"{path}: no {WEIGHTS}, model.safetensors.index.json or pytorch_model.bin")
+    try:
+        return {k: v for f in files for k, v in (
+            torch.load(f, map_location="cpu", weights_only=True) if f.suffix == ".bin" else load_file(f)).items()}
+    except (OSError, RuntimeError, SafetensorError, pickle.UnpicklingError) as e:
+        raise ExportError(f"{path}: unreadable weights ({e})") from e
 
 
 def load_accept_head(path: str | Path, *, device: str | torch.device | None = None) -> tuple[AcceptHead, float | None]:
@@ -206,12 +213,15 @@ def load_accept_head(path: str | Path, *, device: str | torch.device | None = No
     thr = meta.get("threshold")
     if thr is not None and not (isinstance(thr, (int, float)) and 0.0 <= thr <= 1.0):
         raise ExportError(f"{src}: threshold {thr!r} must be a probability in [0, 1] or null")
-    head = AcceptHead(int(meta["hidden_size"]))
+    size = meta.get("hidden_size")
+    if not (isinstance(size, int) and size > 0):
+        raise ExportError(f"{src}: hidden_size {size!r} must be a positive integer")
+    head = AcceptHead(size)
     file = folder / "head.safetensors"
     if not file.is_file():
         raise ExportError(f"{HEAD_DIR}/head.safetensors is missing")
     try:
         head.load_state_dict(load_file(file), strict=True)
-    except RuntimeError as e:
-        raise ExportError(f"{HEAD_DIR}/head.safetensors does not fit hidden_size={meta['hidden_size']}: {e}") from e
+    except (RuntimeError, OSError, SafetensorError) as e:
+        raise ExportError(f"{HEAD_DIR}/head.safetensors does not fit hidden_size={size}: {e}") from e
     return head.to(device or "cpu").eval(), (None if thr is None else float(thr))

@@ -1,4 +1,4 @@
-"""``vatspec eval``: acceptance length tau and wall-clock speedup of drafters, per benchmark.
+"""Acceptance length tau and wall-clock speedup of drafters, per benchmark (what ``vatspec eval`` reports).
 
     results = evaluate(target, {"eagle3": (drafter, head)}, {"gsm8k": prompts}, temperature=0.0,
                        max_new_tokens=256, warmup=1, seed=0)

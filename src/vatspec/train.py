@@ -1,12 +1,13 @@
-"""The training loop: one loop for every drafter and every loss (``vatspec train``, ``commands/train.py``).
+"""The training loop: one loop for every drafter and every loss.
 
 The loop does no math: per micro-batch it asks the drafter what the target must compute, runs
 the frozen target (online mode, under no_grad), lets the drafter build its K-position chains,
 simulates verification (``verify.py``) and hands everything to the objective (``losses.py``).
 Runs unchanged under ``torchrun --nproc_per_node=N`` (DDP: gloo on CPU, NCCL on GPUs).
 
-    vatspec train data.train=prompts.jsonl drafter.kind=eagle3 loss.kind=vat train.steps=200
-    vatspec train --config run.yaml --resume
+    cfg = load_config("run.yaml", ["drafter=eagle3", "loss=vat", "train.steps=200"])
+    metrics = train(cfg)            # `vatspec train --config run.yaml drafter=eagle3 loss=vat ...`
+    train(cfg, resume=True)         # `... --resume`: continue the run in cfg.train.out_dir
 """
 
 from __future__ import annotations

@@ -18,8 +18,9 @@ import sys
 
 import torch
 
-from vatspec.bench import AR, HF, evaluate, load_drafter, round_cost_table, write_report
-from vatspec.target import Target
+from vatspec.bench import AR, HF, evaluate, round_cost_table, write_report
+from vatspec.checkpoint import open_draft
+from vatspec.target import open_target
 
 PROMPTS = [
     "Explain in two sentences why the sky is blue.",
@@ -48,11 +49,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    target = Target.load(args.target, device=args.device)
+    target = open_target(args.target, device=args.device, dtype="float32")
     methods = {}
     for spec in args.draft:
         name, _, path = spec.partition("=")
-        methods[name] = load_drafter(path, target)
+        methods[name] = open_draft(path, target)
     if args.bench:
         from vatspec.benchmarks import load_benchmark
 

@@ -33,10 +33,9 @@ def main() -> int:
 
     from vatspec.benchmarks import load_benchmark
     from vatspec.data import regenerate
-    from vatspec.target import Target
+    from vatspec.target import open_target
 
-    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
-    target = Target.default(dtype=dtype, device=args.device)
+    target = open_target("default", device=args.device)  # bfloat16 on a GPU, float32 on a CPU
     convs = load_benchmark(args.benchmark)[: args.n]
     # warm-up: the first generate call pays one-off costs that would favour whichever runs second
     with tempfile.TemporaryDirectory() as tmp:
@@ -52,7 +51,7 @@ def main() -> int:
             texts[bs] = {r["id"]: r["messages"] for r in map(json.loads, out.read_text().splitlines())}
     same = sum(texts[1][k] == texts[args.batch_size].get(k) for k in texts[1])
 
-    print(f"\ntarget {target.path} on {args.device} ({dtype}), torch threads {torch.get_num_threads()}")
+    print(f"\ntarget {target.path} on {target.device} ({target.dtype}), torch threads {torch.get_num_threads()}")
     print(f"{len(convs)} {args.benchmark} prompts, greedy, max_new_tokens={args.max_new_tokens}\n")
     print(f"{'batch':>5} {'tokens':>7} {'seconds':>8} {'tok/s':>8} {'hit max':>8}")
     for bs, n, s, tps, trunc in rows:

@@ -12,7 +12,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from vatspec.target import Target, skinny_linear
+from vatspec.target import open_target, skinny_linear
 
 
 def main() -> None:
@@ -20,7 +20,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=300)
     ap.add_argument("--reps", type=int, default=12)
     args = ap.parse_args()
-    target = Target.default()
+    target = open_target("default", device="cpu", dtype="float32")
     w = target.lm_head.weight
     torch.manual_seed(0)
     prompt = torch.randint(100, target.vocab_size - 100, (1, args.context))

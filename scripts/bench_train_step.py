@@ -23,7 +23,7 @@ import torch
 from vatspec import data as D
 from vatspec.config import load_config
 from vatspec.drafters import plan_batch
-from vatspec.target import Target
+from vatspec.target import open_target
 from vatspec.train import _build_arm, _pad_id, _tokenize, arm_step, shared_target_pass, step_generator
 
 
@@ -43,7 +43,7 @@ def main() -> None:
     args = ap.parse_args()
 
     torch.manual_seed(0)
-    target = Target.default()
+    target = open_target("default", device="cpu", dtype="float32")
     tmp = Path(tempfile.mkdtemp())
     if args.data:
         data = args.data

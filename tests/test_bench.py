@@ -9,7 +9,8 @@ import torch
 
 from tests.test_decode import tiny_target
 from vatspec import bench
-from vatspec.bench import AR, HF, _relative_to, evaluate, markdown_table, prompt_ids, run_order, write_report
+from vatspec.bench import AR, HF, evaluate, markdown_table, prompt_ids, run_order, write_report
+from vatspec.commands.eval import _relative_to
 from vatspec.drafters.sampling import Proposal
 
 BOS = 1  # every test prompt starts with it, so the oracle below can rebuild the full sequence
@@ -173,11 +174,11 @@ def test_prompt_ids():
 def test_eval_command(tiny, tmp_path, monkeypatch):
     """``vatspec eval`` wires checkpoints, benchmarks and prompt files into evaluate + report."""
     from vatspec import benchmarks, cli, data
-    from vatspec.target import Target
+    from vatspec.commands import eval as eval_command
 
     target, methods, prompts = tiny
-    monkeypatch.setattr(Target, "load", classmethod(lambda cls, name, **kw: target))
-    monkeypatch.setattr(bench, "load_drafter", lambda path, t: (OracleDrafter(t, [2]), None))
+    monkeypatch.setattr(eval_command, "open_target", lambda path, **kw: target)
+    monkeypatch.setattr(eval_command, "open_draft", lambda path, t: (OracleDrafter(t, [2]), None))
     monkeypatch.setattr(benchmarks, "load_benchmark", lambda name: [[BOS, 3, 4], [BOS, 8]])
     user = tmp_path / "mine.jsonl"
     user.write_text("")
@@ -193,9 +194,9 @@ def test_eval_command(tiny, tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_smollm2_ar_matches_hf_generate():
-    from vatspec.target import Target
+    from vatspec.target import open_target
 
-    target = Target.default()
+    target = open_target("default", device="cpu", dtype="float32")
     conv = [{"role": "user", "content": "Name three primary colours."}]
     res = evaluate(target, {}, {"chat": [conv]}, max_new_tokens=24, warmup=0, progress=False)
     s = res["summary"]

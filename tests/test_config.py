@@ -43,6 +43,9 @@ def test_saved_config_round_trips(tmp_path):
         ("train=5", "expected section.field=value"),
         ("drafter=medusa", "drafter.kind 'medusa' is not one of eagle3, dflash"),
         ("loss=focal", "LossConfig.kind must be one of"),
+        ("target.dtype=fp8", "'target.dtype=fp8': target.dtype 'fp8' is not one of float32, bfloat16, float16"),
+        ("target.dtype=16", "target.dtype '16' is not one of"),
+        ("target.device=gpu", "target.device 'gpu' is not a device"),
     ],
 )
 def test_bad_overrides_fail_loudly(override, message):
@@ -60,3 +63,48 @@ def test_bad_file(tmp_path):
     f.write_text("train:\n  steps: 1\nextra:\n  a: 1\n")
     with pytest.raises(ConfigError, match=f"{f}: unknown field 'extra'"):
         load_config(f)
+
+
+def test_dtype_aliases_are_stored_as_the_full_name(tmp_path):
+    for alias, name in [("fp32", "float32"), ("float", "float32"), ("bf16", "bfloat16"), ("fp16", "float16"),
+                        ("half", "float16"), ("float16", "float16")]:
+        assert load_config(None, [f"target.dtype={alias}"]).target.dtype == name
+    f = tmp_path / "run.yaml"
+    f.write_text("target:\n  dtype: bf16\n  device: cpu\n")
+    assert load_config(f).target == load_config(None, ["target.dtype=bfloat16", "target.device=cpu"]).target
+
+
+def test_loss_is_resolved_when_the_config_loads():
+    """The loss's open fields are filled for the drafter once, at load; the saved config loads back equal."""
+    import yaml
+
+    e = load_config(None, ["drafter=eagle3", "loss=vat"]).loss
+    assert (e.weights, e.soft, e.hard, e.head, e.curve, e.gamma) == ("adaptive", True, True, True, "eagle3", None)
+    d = load_config(None, ["drafter=dflash", "drafter.block_size=8", "loss=vat"]).loss
+    assert (d.weights, d.curve, d.gamma) == ("adaptive", "dflash", 4.0)  # gamma from the block: 8 -> 4
+    assert load_config(None, ["drafter=dflash", "loss=dflash"]).loss.gamma == 7.0  # block 16 -> 7
+    # the order of overrides does not matter: the loss resolves after the last one
+    assert load_config(None, ["loss=dflash", "drafter=dflash"]) == load_config(None, ["drafter=dflash", "loss=dflash"])
+    for overrides in (["drafter=dflash", "drafter.block_size=8", "loss=vat"], ["loss=eagle3", "loss.head=true"]):
+        cfg = load_config(None, overrides)
+        assert cfg.loss.resolved and config_from_dict(yaml.safe_load(dump_config(cfg))) == cfg
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["drafter=eagle3", "loss=dflash"], "drafter.kind=eagle3 with loss.kind=dflash: the dflash curve "
+                                            "exp(-j/gamma) takes its gamma from a DFlash block"),
+        (["loss=vat", "loss.curve=dflash"], "drafter.kind=eagle3 with loss.curve=dflash: .*set loss.gamma"),
+        (["loss=eagle3", "loss.soft=false"], "there is nothing to train"),
+    ],
+)
+def test_incompatible_drafter_and_loss_fail_at_load(overrides, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_config(None, overrides)
+
+
+def test_a_pair_that_resolves_is_allowed():
+    # EAGLE-3 chains with DFlash's hard CE and curve: fine once gamma is given
+    assert load_config(None, ["drafter=eagle3", "loss=dflash", "loss.gamma=3"]).loss.gamma == 3.0
+    assert load_config(None, ["drafter=dflash", "loss=eagle3"]).loss.curve == "eagle3"

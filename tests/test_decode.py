@@ -13,7 +13,7 @@ import torch
 from tests.conftest import StubTokenizer
 from vatspec.decode import GenerationResult, generate, greedy_verify, speculative_verify
 from vatspec.drafters.sampling import Proposal, warp_logits
-from vatspec.target import Target
+from vatspec.target import Target, open_target
 
 # A correct sampler fails one chi-square check with this probability (seeds are fixed, so a given
 # run is deterministic; 1e-3 is the false-alarm rate over the choice of seed).
@@ -396,7 +396,7 @@ def test_smollm2_greedy_equals_generate_with_every_drafter():
     from vatspec.config import DrafterConfig
     from vatspec.drafters import build_drafter
 
-    target = Target.default()
+    target = open_target("default", device="cpu", dtype="float32")
     ids = prompt_ids(target.tokenizer, [{"role": "user", "content": "Write a haiku about the sea."}])
     ref = hf_greedy(target, ids, 64)
     assert ref[-1] in target.eos_token_ids and len(ref) < 64  # stops on <|im_end|>

@@ -11,7 +11,7 @@ import math
 
 import pytest
 
-from vatspec.demo import ARMS, SIZES, run_ablation, run_demo
+from vatspec.demo import ARMS, SIZES, DemoError, run_ablation, run_demo
 
 pytestmark = pytest.mark.slow
 
@@ -62,7 +62,7 @@ def test_quick_demo_writes_a_complete_report(tmp_path):
 
 def test_demo_refuses_a_foreign_folder(tmp_path):
     (tmp_path / "keep.txt").write_text("mine")
-    with pytest.raises(SystemExit, match="not made by vatspec demo"):
+    with pytest.raises(DemoError, match="not made by vatspec demo"):
         run_demo(tmp_path, SIZES["quick"], progress=False)
     assert (tmp_path / "keep.txt").read_text() == "mine"
 

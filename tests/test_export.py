@@ -1,4 +1,4 @@
-"""Served formats (issue #8): round trips, the exact key sets, the layer ids each engine reads,
+"""Served formats: round trips, the exact key sets, the layer ids each engine reads,
 validation, atomic writes, target checks, the CLI, third-party drafts.
 
 The expected key sets and fields below are written from the engines' own loaders (SGLang
@@ -21,6 +21,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from tests.conftest import StubTokenizer, tiny_llama
+from vatspec.checkpoint import CheckpointError, open_draft
 from vatspec.decode import generate
 from vatspec.drafters.base import AcceptHead
 from vatspec.drafters.dflash import DFlashConfig, DFlashDrafter
@@ -31,11 +32,9 @@ from vatspec.export import (
     export_draft,
     import_draft,
     load_accept_head,
-    load_any_draft,
-    target_shell,
     validate_export,
 )
-from vatspec.target import Target
+from vatspec.target import Target, open_target
 
 V, H, L, T = 96, 32, 8, 20  # tiny target: vocab, hidden, layers; batch length
 VD, K, BLOCK = 40, 3, 4  # EAGLE-3 draft vocab, TTT steps; DFlash block
@@ -150,7 +149,7 @@ def test_round_trip_gives_identical_logits_proposals_and_tokens(target, tmp_path
     out = export_draft(d, target, tmp_path / "served", fmt=fmt, head=head, exit_threshold=0.25)
     assert validate_export(out, target) == fmt
     # the HF EAGLE-3 format does not record the TTT length (a training setting): pass it back
-    back, head2 = load_any_draft(out, target, ttt_steps=K if fmt == "eagle3-hf" else None)
+    back, head2 = open_draft(out, target, ttt_steps=K if fmt == "eagle3-hf" else None)
     assert type(back) is type(d) and back.config == d.config
     sd, sd2 = d.state_dict(), back.state_dict()
     assert sd.keys() == sd2.keys() and all(torch.equal(sd[k], sd2[k]) for k in sd)
@@ -253,7 +252,7 @@ def test_exported_key_sets_and_fields_are_the_formats(smol_tokenizer_target, tmp
 
 def test_default_target_layer_ids_written_for_each_engine(default_target_path, tmp_path):
     """SmolLM2-135M (30 layers), as `vatspec export` sees it: its config and tokenizer, no weights."""
-    t = target_shell("default")
+    t = open_target("default", device="meta")
     assert t.num_layers == 30 and Path(t.path) == Path(default_target_path)
     e3 = Eagle3Drafter.from_target(t, draft_vocab_size=256)  # default ids: outputs of 1, L//2 - 1, L - 4
     assert e3.target_layer_ids == (1, 14, 26)
@@ -323,7 +322,7 @@ def test_writes_atomically_and_refuses_to_overwrite(target, tmp_path, monkeypatc
     before = (out / "model.safetensors").read_bytes()
     with pytest.raises(ExportError, match="not empty; pass --force"):
         export_draft(d, target, out)
-    import vatspec.export as ex
+    import vatspec.export.write as ex
 
     def broken(folder, target=None):
         raise ExportError("simulated validation failure")
@@ -371,6 +370,50 @@ def test_import_and_validate_name_the_mismatch_with_the_target(target, tmp_path,
             validate_export(out, other)
 
 
+# ----------------------------------------------------------------------------- open_draft
+def test_open_draft_takes_any_draft_and_raises_only_checkpoint_errors(target, tmp_path):
+    """A checkpoint, a run folder and an export open to the same drafter; every bad path is a
+    CheckpointError (ExportError is one) naming the file or field at fault."""
+    from vatspec.checkpoint import save_checkpoint
+
+    d, head = make_drafter("eagle3", target), make_head()
+    ckpt = save_checkpoint(tmp_path / "run", 3, drafter=d, head=head, config_yaml="{}\n")
+    served = export_draft(d, target, tmp_path / "served", head=head)
+    for path in (tmp_path / "run", ckpt, served):
+        back, h = open_draft(path, target, ttt_steps=K)
+        assert torch.equal(back.lm_head.weight, d.lm_head.weight) and torch.equal(h.proj.weight, head.proj.weight)
+        assert back.config.ttt_steps == K and not back.training
+    assert open_draft(ckpt, target, ttt_steps=5)[0].config.ttt_steps == 5  # the run's own unroll length
+
+    other = Target(tiny_llama(vocab_size=64, hidden_size=H, layers=L), tokenizer=None)
+    (tmp_path / "empty").mkdir()
+    broken_run = tmp_path / "broken_run"
+    broken_run.mkdir()
+    (broken_run / "latest").write_text("step-000009\n")
+    bad_json = tmp_path / "bad_json"
+    shutil.copytree(ckpt, bad_json)
+    (bad_json / "drafter.json").write_text("{not json")
+    bad_weights = tmp_path / "bad_weights"
+    shutil.copytree(ckpt, bad_weights)
+    (bad_weights / "drafter.safetensors").write_bytes(b"not safetensors")
+    bad_served = tmp_path / "bad_served"
+    shutil.copytree(served, bad_served)
+    (bad_served / "model.safetensors").write_bytes(b"not safetensors")
+    cases = [
+        (tmp_path / "nope", target, "nope does not exist"),
+        (tmp_path / "empty", target, "neither a training checkpoint"),
+        (broken_run, target, "names .*step-000009, which is missing"),
+        (bad_json, target, "drafter.json: unreadable"),
+        (bad_weights, target, "drafter.safetensors is unreadable"),
+        (bad_served, target, "bad_served: unreadable weights"),
+        (ckpt, other, "vocab_size=96 does not match the target \\(64\\)"),  # a checkpoint, another target
+        (served, other, "vocab_size=96 does not match the target \\(64\\)"),  # an export, another target
+    ]
+    for path, t, msg in cases:
+        with pytest.raises(CheckpointError, match=msg):
+            open_draft(path, t)
+
+
 # ----------------------------------------------------------------------------- third-party drafts
 def test_imports_third_party_variants(target, tmp_path):
     """An SGLang-style HF draft (bf16 pytorch_model.bin, ids only in eagle_config) and a speculators
@@ -409,15 +452,15 @@ def test_imports_third_party_variants(target, tmp_path):
     (lmsys / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ExportError, match="norm_before_residual=True is an EAGLE-3 variant"):
         import_draft(lmsys, target)
-    with pytest.raises(ExportError, match="neither a training checkpoint"):
-        load_any_draft(tmp_path, target)
+    with pytest.raises(CheckpointError, match="neither a training checkpoint"):
+        open_draft(tmp_path, target)
 
 
 # ----------------------------------------------------------------------------- the CLI, from a training run
 def test_cli_exports_a_trained_run_and_train_can_start_from_it(smol_tokenizer_target, tmp_path, monkeypatch):
     from vatspec.cli import main
     from vatspec.config import load_config
-    from vatspec.train import train
+    from vatspec.train import TrainError, train
 
     t = smol_tokenizer_target
     data = tmp_path / "train.jsonl"
@@ -446,8 +489,8 @@ def test_cli_exports_a_trained_run_and_train_can_start_from_it(smol_tokenizer_ta
     assert sp["speculators_config"]["verifier"]["name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
 
     for run_dir, served in ((runs["eagle3"], "e3"), (runs["eagle3"], "sp"), (runs["dflash"], "df")):
-        d, h = load_any_draft(run_dir, t)
-        d2, h2 = load_any_draft(tmp_path / served, t, ttt_steps=2)
+        d, h = open_draft(run_dir, t)
+        d2, h2 = open_draft(tmp_path / served, t, ttt_steps=2)
         sd, sd2 = d.state_dict(), d2.state_dict()
         if served == "sp":  # that export was bfloat16: compare with the rounded float32 weights
             sd = {k: v.bfloat16().float() if v.is_floating_point() else v for k, v in sd.items()}
@@ -459,9 +502,11 @@ def test_cli_exports_a_trained_run_and_train_can_start_from_it(smol_tokenizer_ta
     cfg = load_config(None, [f"target.path={t.path}", f"data.train={data}", f"train.out_dir={runs['ft']}",
                              "loss.kind=vat", "data.batch_size=2", "data.max_length=48", "data.heldout_max=2",
                              "train.steps=1", "drafter.ttt_steps=2"])
-    # train.py still calls checkpoint.load_draft for --init-from; load_any_draft is its replacement
-    monkeypatch.setattr("vatspec.train.ckpt_io.load_draft",
-                        lambda path, target, **kw: load_any_draft(path, target, ttt_steps=2, **kw))
     train(cfg, init_from=str(tmp_path / "sp"), progress=False)
-    d, _ = load_any_draft(runs["ft"], t)
+    d, _ = open_draft(runs["ft"], t)
     assert d.kind == "eagle3" and d.config.draft_vocab_size == 128
+    # the loss was resolved for drafter.kind: a draft of the other kind is refused before training
+    other = load_config(None, [f"target.path={t.path}", f"data.train={data}", f"train.out_dir={tmp_path / 'x'}",
+                               "drafter=dflash", "loss=vat"])
+    with pytest.raises(TrainError, match="is a eagle3 draft, but drafter.kind=dflash; pass drafter.kind=eagle3"):
+        train(other, init_from=str(tmp_path / "sp"), progress=False)

@@ -4,7 +4,16 @@ import pytest
 import torch
 
 from tests.conftest import tiny_llama
-from vatspec.target import DEFAULT_WHEEL, SKINNY_ROWS, Target, TargetError, default_gguf_path, skinny_linear
+from vatspec.target import (
+    DEFAULT_WHEEL,
+    SKINNY_ROWS,
+    Target,
+    TargetError,
+    default_gguf_path,
+    dtype_name,
+    open_target,
+    skinny_linear,
+)
 
 
 def test_layer_id_is_output_of_that_decoder_layer(tiny_target):
@@ -70,6 +79,47 @@ def test_from_pretrained_roundtrip(tmp_path, default_target_path):
     AutoTokenizer.from_pretrained(default_target_path).save_pretrained(tmp_path)
     t = Target.from_pretrained(tmp_path)
     assert (t.num_layers, t.hidden_size, t.vocab_size) == (6, 32, 96)
+
+
+def test_open_target_reads_dtype_aliases_and_devices(tmp_path, default_target_path):
+    from transformers import AutoTokenizer
+
+    tiny_llama().save_pretrained(tmp_path)
+    AutoTokenizer.from_pretrained(default_target_path).save_pretrained(tmp_path)
+    for name, want in [("fp16", torch.float16), ("half", torch.float16), ("bf16", torch.bfloat16),
+                       ("bfloat16", torch.bfloat16), ("fp32", torch.float32), ("torch.float16", torch.float16)]:
+        t = open_target(tmp_path, device="cpu", dtype=name)
+        assert t.dtype == want and t.device == torch.device("cpu"), name
+    auto = torch.bfloat16 if torch.cuda.is_available() else torch.float32  # dtype None: bf16 on a GPU only
+    assert open_target(tmp_path, device="auto").dtype == auto
+    shell = open_target(tmp_path, device="meta")  # config and tokenizer: no weight is read
+    assert shell.model.lm_head.weight.is_meta and (shell.num_layers, shell.vocab_size) == (6, 96)
+    assert shell.tokenizer is not None
+    # every name of the embedded default is the same folder
+    for alias in ("default", "smollm2", "smollm2-135m-instruct", "", None):
+        assert open_target(alias, device="meta").path == str(default_target_path)
+    assert [dtype_name(n) for n in ("FP16", torch.bfloat16, "float")] == ["float16", "bfloat16", "float32"]
+
+
+def test_open_target_errors_are_target_errors(tmp_path):
+    """Every bad path, device or dtype is a TargetError naming what is wrong (a command prints one line)."""
+    tiny_llama().save_pretrained(tmp_path / "m")  # no tokenizer saved
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text("{not json")
+    cases = [
+        ((tmp_path / "bad",), {}, "bad/config.json: not a readable model config"),
+        ((tmp_path / "m",), {"device": "cpu"}, "m: no usable tokenizer"),
+        ((tmp_path / "nope",), {}, "does not exist"),
+        ((tmp_path,), {}, "no config.json"),
+        ((tmp_path / "m",), {"dtype": "fp8"}, "dtype 'fp8' is not one of float32, bfloat16, float16 \\(or fp32"),
+        ((tmp_path / "m",), {"dtype": "int8"}, "dtype 'int8'"),
+        ((tmp_path / "m",), {"device": "gpu0"}, "device 'gpu0' is not a device"),
+    ]
+    if not torch.cuda.is_available():
+        cases.append(((tmp_path / "m",), {"device": "cuda"}, "no CUDA device is available"))
+    for args, kw, msg in cases:
+        with pytest.raises(TargetError, match=msg):
+            open_target(*args, **kw)
 
 
 def test_missing_wheel_says_how_to_install(monkeypatch):

@@ -155,13 +155,13 @@ def test_lockstep_arms_equal_separate_runs(tiny_target_dir, data_file, tmp_path)
 
 
 def test_checkpoint_loads_for_decoding(tiny_target_dir, data_file, tmp_path):
-    from vatspec.checkpoint import load_draft
+    from vatspec.checkpoint import open_draft
     from vatspec.target import Target
 
     cfg = _cfg(tiny_target_dir, data_file, tmp_path / "run", "loss.kind=vat", "train.steps=1")
     train(cfg, progress=False)
     target = Target.from_pretrained(tiny_target_dir)
-    drafter, head = load_draft(tmp_path / "run", target)
+    drafter, head = open_draft(tmp_path / "run", target)
     assert drafter.kind == "eagle3" and head is not None
     saved = (tmp_path / "run" / "checkpoints" / "step-000001" / "config.yaml").read_text()
     assert "kind: vat" in saved
@@ -233,7 +233,7 @@ def test_ddp_two_cpu_processes_hold_identical_weights(tiny_target_dir, data_file
 @pytest.mark.parametrize("kind", ["eagle3", "dflash"])
 def test_trained_drafter_decodes_losslessly_with_and_without_early_exit(tiny_target_dir, data_file, tmp_path, kind):
     """T = 0 output equals HF generate() greedy for a VAT-trained drafter (head on), early exit on and off."""
-    from vatspec.checkpoint import load_draft
+    from vatspec.checkpoint import open_draft
     from vatspec.decode import generate
     from vatspec.target import Target
 
@@ -241,7 +241,7 @@ def test_trained_drafter_decodes_losslessly_with_and_without_early_exit(tiny_tar
                "train.steps=6", "optim.lr=1e-2", "drafter.mask_token_id=16")
     train(cfg, progress=False)
     target = Target.from_pretrained(tiny_target_dir)
-    drafter, head = load_draft(tmp_path / "run", target)
+    drafter, head = open_draft(tmp_path / "run", target)
     assert head is not None
     tok = target.tokenizer
     for text in ["Count from 3 to 8, please.", "Say hello.", "Count from 11 to 16, please."]:
@@ -263,3 +263,40 @@ def test_cli_reports_bad_input_in_one_line(tmp_path, capsys):
     assert main(["train", "train.stepz=3"]) == 2
     assert "unknown field 'train.stepz'" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["drafter=eagle3", "loss=dflash"], "drafter.kind=eagle3 with loss.kind=dflash: the dflash curve"),
+        (["loss=vat", "loss.curve=dflash"], "drafter.kind=eagle3 with loss.curve=dflash"),
+        (["loss=eagle3", "loss.soft=false"], "there is nothing to train"),
+        (["target.dtype=fp8"], "target.dtype 'fp8' is not one of float32, bfloat16, float16 (or fp32"),
+        (["target.device=gpu"], "target.device 'gpu' is not a device"),
+    ],
+)
+def test_cli_rejects_a_bad_config_in_one_line_before_loading_anything(tmp_path, capsys, overrides, message):
+    """As a user runs it: exit 2, one line on stderr, no traceback. The data file and the target do
+    not exist, so an error about either would mean they were opened first."""
+    from vatspec.cli import main
+
+    rc = main(["train", f"data.train={tmp_path / 'missing.jsonl'}", f"target.path={tmp_path / 'no_model'}",
+               f"train.out_dir={tmp_path / 'r'}", *overrides])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("vatspec train: error: ") and message in err, err
+    assert not (tmp_path / "r").exists()
+
+
+def test_cli_takes_dtype_aliases_and_saves_a_loadable_config(tiny_target_dir, data_file, tmp_path, capsys):
+    from vatspec.cli import main
+
+    args = [f"target.path={tiny_target_dir}", f"data.train={data_file}", "data.batch_size=2", "data.max_length=64",
+            "data.heldout_max=2", "drafter=dflash", "drafter.block_size=4", "drafter.num_anchors=4", "loss=vat",
+            "train.steps=1", "target.device=cpu"]
+    assert main(["train", *args, "target.dtype=fp32", f"train.out_dir={tmp_path / 'r'}", "--no-progress"]) == 0
+    assert "held-out: tau_sim=" in capsys.readouterr().out
+    saved = load_config(tmp_path / "r" / "config.yaml")  # the resolved config, as saved, loads back
+    want = load_config(None, [*args, "target.dtype=float32", f"train.out_dir={tmp_path / 'r'}"])
+    assert saved.target.dtype == "float32" and saved.loss == want.loss and saved.loss.gamma == 2.0  # block 4 -> 2
+    assert saved.drafter == want.drafter and saved.data == want.data

@@ -1,4 +1,4 @@
-"""``vatspec eval``: acceptance length tau and wall-clock speedup of drafters, per benchmark.
+"""Acceptance length tau and wall-clock speedup of drafters, per benchmark (what ``vatspec eval`` reports).
 
     results = evaluate(target, {"eagle3": (drafter, head)}, {"gsm8k": prompts}, temperature=0.0,
                        max_new_tokens=256, warmup=1, seed=0)
@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -372,109 +371,3 @@ def write_report(
     if plots:
         paths["tau_plot"], paths["hist_plot"] = plot(results, out_dir)
     return paths
-
-
-# --------------------------------------------------------------------------- command
-def load_drafter(path: str | Path, target):
-    """A training checkpoint, a run folder or an exported served draft -> ``(drafter, head | None)``."""
-    from vatspec.export import load_any_draft
-
-    return load_any_draft(path, target)
-
-
-def _relative_to(specs: Sequence[str], methods: Sequence[str]) -> dict[str, str] | None:
-    """``["BASE"]`` -> every other method vs BASE; ``["M=BASE", ...]`` -> M vs BASE; both may mix."""
-    out: dict[str, str] = {}
-    for spec in specs:
-        method, sep, base = spec.rpartition("=")
-        if sep:
-            if method not in methods:
-                raise SystemExit(f"--relative-to {spec!r}: no method {method!r} (have {', '.join(methods)})")
-            out[method] = base
-        else:
-            out.update({m: base for m in methods if m != base and m not in out})
-    return out or None
-
-
-def _parse_draft(spec: str) -> tuple[str, str]:
-    name, sep, path = spec.partition("=")
-    if not sep:
-        path = spec
-        name = Path(spec.rstrip("/")).name
-    if not name or not path:
-        raise ValueError(f"--draft {spec!r}: expected NAME=PATH or PATH")
-    return name, path
-
-
-def configure(parser) -> None:
-    parser.add_argument("--target", default="default", help="'default' (embedded SmolLM2) or a local HF folder")
-    parser.add_argument("--draft", action="append", default=[], metavar="[NAME=]PATH",
-                        help="a checkpoint or run folder; repeat for several methods")
-    parser.add_argument("--bench", action="append", default=[], metavar="NAME",
-                        help="a bundled benchmark (repeatable; default: all, unless --prompts is given)")
-    parser.add_argument("--prompts", action="append", default=[], metavar="FILE",
-                        help="your own prompts (JSONL conversations); the file stem names the benchmark")
-    parser.add_argument("--num-prompts", type=int, default=None, help="first N prompts of each benchmark")
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--draft-argmax", action="store_true", help="draft by argmax at T > 0 (as vLLM)")
-    parser.add_argument("--k", type=int, default=None, help="drafted tokens per round (default: the drafter's)")
-    parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--warmup", type=int, default=1, help="prompts run untimed first")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--exit-threshold", type=float, default=None, help="accept-head early exit")
-    parser.add_argument("--no-head", action="store_true", help="ignore saved accept heads")
-    parser.add_argument("--relative-to", action="append", default=[], metavar="[METHOD=]BASE",
-                        help="add Δ%% rows vs BASE: under every method, or under METHOD only (repeatable)")
-    parser.add_argument("--no-hf", action="store_true", help="skip the HF generate() baseline")
-    parser.add_argument("--no-plots", action="store_true")
-    parser.add_argument("--out", default="runs/eval", help="output folder")
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
-
-
-def run(args) -> int:
-    from vatspec.checkpoint import CheckpointError
-    from vatspec.data import DataError
-    from vatspec.target import TargetError
-
-    try:
-        return _run(args)
-    except (CheckpointError, DataError, TargetError) as e:
-        print(f"vatspec eval: error: {e}", file=sys.stderr)
-        return 2
-
-
-def _run(args) -> int:
-    from vatspec import benchmarks, data
-    from vatspec.target import Target
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    target = Target.load(args.target, dtype=getattr(torch, args.dtype), device=device)
-    methods = {}
-    for spec in args.draft:
-        name, path = _parse_draft(spec)
-        if name in methods:
-            raise SystemExit(f"--draft: method name {name!r} given twice")
-        drafter, head = load_drafter(path, target)
-        methods[name] = (drafter, None if args.no_head else head)
-    benches = args.bench or ([] if args.prompts else benchmarks.list_benchmarks())
-    prompts = {b: benchmarks.load_benchmark(b) for b in benches}
-    for f in args.prompts:
-        prompts[Path(f).stem] = data.load_conversations(f, require_assistant=False)
-    if args.num_prompts is not None:
-        prompts = {b: ps[: args.num_prompts] for b, ps in prompts.items()}
-    results = evaluate(
-        target, methods, prompts, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
-        warmup=args.warmup, seed=args.seed, exit_threshold=args.exit_threshold, k=args.k, top_k=args.top_k,
-        top_p=args.top_p, draft_argmax=args.draft_argmax, hf_baseline=not args.no_hf,
-    )
-    results["config"]["drafts"] = dict(_parse_draft(s) for s in args.draft)
-    paths = write_report(results, args.out, _relative_to(args.relative_to, list(methods)), plots=not args.no_plots)
-    print(paths["markdown"].read_text())
-    print("wrote " + ", ".join(str(p) for p in paths.values()))
-    return 0

@@ -1,4 +1,4 @@
-"""Checkpoints: written atomically, loadable for resume and for decoding.
+"""Checkpoints: written atomically, loadable for resume and for decoding; ``open_draft`` opens any draft.
 
 Layout of one checkpoint folder (``RUN/checkpoints/step-000100``)::
 
@@ -21,6 +21,7 @@ import shutil
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from vatspec.drafters.base import AcceptHead
@@ -95,27 +96,77 @@ def resolve_checkpoint(path: str | Path) -> Path:
     raise CheckpointError(f"{path} is neither a checkpoint (no drafter.safetensors) nor a run folder (no latest)")
 
 
-def load_draft(path: str | Path, target, *, device: str | torch.device | None = None):
-    """Rebuild ``(drafter, head | None)`` from a checkpoint or run folder, attached to ``target``."""
+def open_draft(path: str | Path, target, *, device: str | torch.device | None = None,
+               ttt_steps: int | None = None) -> tuple[torch.nn.Module, AcceptHead | None]:
+    """The one way a command opens a draft -> ``(drafter, head | None)``, attached to ``target``, in eval mode.
+
+    path:      a training checkpoint (``drafter.safetensors``), a run folder (``latest`` names its newest
+               checkpoint) or an exported served draft (``config.json`` in any format of ``vatspec.export``,
+               ours or third-party; its accept head from ``accept_head/`` when there is one).
+    device:    default: the target's.
+    ttt_steps: EAGLE-3 only: replaces the draft's TTT unroll length, e.g. the run's own setting when
+               fine-tuning a published draft (``vatspec train --init-from``).
+    Raises ``CheckpointError`` (``vatspec.export.ExportError``, a subclass, for a served folder) and
+    nothing else when ``path`` holds no draft or one that does not fit ``target``.
+    """
+    p = Path(path)
+    if not p.exists():
+        raise CheckpointError(f"{p} does not exist")
+    device = device or target.device
+    if (p / "drafter.safetensors").is_file() or (p / "latest").is_file():
+        return _load_checkpoint(resolve_checkpoint(p), target, device, ttt_steps)
+    if (p / "config.json").is_file():
+        from vatspec.export.formats import HEAD_DIR
+        from vatspec.export.read import import_draft, load_accept_head
+
+        drafter = import_draft(p, target, ttt_steps=ttt_steps, device=device)
+        head = load_accept_head(p, device=device)[0] if (p / HEAD_DIR).is_dir() else None
+        return drafter, head
+    raise CheckpointError(f"{p} is neither a training checkpoint (drafter.safetensors), a run folder (latest) "
+                          "nor an exported draft (config.json)")
+
+
+def _load_checkpoint(ckpt: Path, target, device, ttt_steps: int | None):
     from vatspec.drafters import drafter_from_dict
 
-    ckpt = resolve_checkpoint(path)
-    meta = json.loads((ckpt / "drafter.json").read_text())
-    drafter = drafter_from_dict(meta["kind"], meta["config"], target, source=str(ckpt / "drafter.json"))
-    state = load_file(ckpt / "drafter.safetensors")
     try:
-        drafter.load_state_dict(state, strict=True)
-    except RuntimeError as e:
-        raise CheckpointError(f"{ckpt}/drafter.safetensors does not fit the drafter config: {e}") from e
+        meta = json.loads((ckpt / "drafter.json").read_text())
+        kind, config = meta["kind"], dict(meta["config"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{ckpt / 'drafter.json'}: unreadable ({e!r}); expected {{kind, config}}") from e
+    if ttt_steps is not None and kind == "eagle3":
+        config["ttt_steps"] = int(ttt_steps)  # an unroll length: no parameter depends on it
+    try:
+        drafter = drafter_from_dict(kind, config, target, source=str(ckpt / "drafter.json"))
+    except (ValueError, TypeError) as e:
+        raise CheckpointError(str(e)) from e
+    try:
+        drafter.load_state_dict(load_file(ckpt / "drafter.safetensors"), strict=True)
+    except (RuntimeError, OSError, SafetensorError) as e:
+        raise CheckpointError(f"{ckpt}/drafter.safetensors is unreadable or does not fit the drafter config: "
+                              f"{e}") from e
     head = None
     if (ckpt / "head.safetensors").is_file():
         head = AcceptHead(drafter.hidden_size)
-        head.load_state_dict(load_file(ckpt / "head.safetensors"))
-    device = device or target.device
-    drafter.to(device).eval()
-    if head is not None:
+        try:
+            head.load_state_dict(load_file(ckpt / "head.safetensors"))
+        except (RuntimeError, OSError, SafetensorError) as e:
+            raise CheckpointError(f"{ckpt}/head.safetensors is unreadable or does not fit the drafter: {e}") from e
         head.to(device).eval()
-    return drafter, head
+    return drafter.to(device).eval(), head
+
+
+def saved_config(path: str | Path):
+    """The resolved run config saved in a checkpoint (or a run folder's latest checkpoint)."""
+    from vatspec.config import ConfigError, load_config
+
+    file = resolve_checkpoint(path) / "config.yaml"
+    if not file.is_file():
+        raise CheckpointError(f"{file} is missing")
+    try:
+        return load_config(file)
+    except ConfigError as e:
+        raise CheckpointError(str(e)) from e
 
 
 def load_trainer_state(ckpt: Path) -> dict:

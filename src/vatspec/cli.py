@@ -1,44 +1,40 @@
-"""The ``vatspec`` command. Each subcommand lives in the module that owns the idea; this file
-only lists them. A subcommand module exposes ``configure(parser)`` and ``run(args) -> int``."""
+"""The ``vatspec`` command. This file only lists the subcommands; each is a module of
+``vatspec.commands`` (``prepare-target`` -> ``commands/prepare_target.py``) exposing
+``configure(parser)`` and ``run(args) -> int``."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import sys
 
-# name -> (module, one-line help). Modules are imported only when their command runs.
-COMMANDS: dict[str, tuple[str, str]] = {
-    "prepare-target": ("vatspec.commands.prepare_target", "convert the embedded SmolLM2 GGUF into a cached HF folder"),
-    "benchmarks": ("vatspec.commands.data_cmds:benchmarks", "list the bundled evaluation prompt sets"),
-    "prepare-data": ("vatspec.commands.data_cmds:prepare_data", "write a training prompt file from bundled corpora"),
-    "regenerate": ("vatspec.commands.data_cmds:regenerate", "replace assistant turns by the target's own responses"),
-    "train": ("vatspec.train", "train an EAGLE-3 or DFlash drafter (loss.kind=eagle3|dflash|vat)"),
-    "eval": ("vatspec.bench", "speculative decoding: tau and wall-clock speedup on benchmarks"),
-    "export": ("vatspec.export", "write a draft in SGLang / vLLM / speculators format"),
-    "demo": ("vatspec.demo", "the main job: baselines vs VAT on the embedded default target"),
-    "ablate": ("vatspec.demo:ablate", "the paper's ablation on one drafter"),
+# name -> one-line help. A command's module is imported only when it runs.
+COMMANDS: dict[str, str] = {
+    "prepare-target": "convert the embedded SmolLM2 GGUF into a cached HF folder",
+    "benchmarks": "list the bundled evaluation prompt sets",
+    "prepare-data": "write a training prompt file from bundled corpora",
+    "regenerate": "replace assistant turns by the target's own responses",
+    "train": "train an EAGLE-3 or DFlash drafter (loss.kind=eagle3|dflash|vat)",
+    "eval": "speculative decoding: tau and wall-clock speedup on benchmarks",
+    "export": "write a draft in SGLang / vLLM / speculators format",
+    "demo": "the main job: baselines vs VAT on the embedded default target",
+    "ablate": "the paper's ablation on one drafter",
 }
 
 
-def _load(spec: str):
-    mod, _, attr = spec.partition(":")
-    module = importlib.import_module(mod)
-    return getattr(module, attr) if attr else module
+def command_module(name: str):
+    """The module of subcommand ``name``."""
+    return importlib.import_module(f"vatspec.commands.{name.replace('-', '_')}")
 
 
-def build_parser(available_only: bool = True) -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="vatspec",
         description="Verification-Aware Training (VAT) for EAGLE-3 and DFlash drafters: data, training, "
         "speculative decoding evaluation and export. `vatspec COMMAND --help` for each command.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, (spec, help_) in COMMANDS.items():
-        mod = spec.partition(":")[0]
-        if available_only and importlib.util.find_spec(mod) is None:
-            continue
+    for name, help_ in COMMANDS.items():
         sub.add_parser(name, help=help_, add_help=False)
     return parser
 
@@ -54,8 +50,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     name, rest = argv[0], argv[1:]
-    command = _load(COMMANDS[name][0])
-    sub = argparse.ArgumentParser(prog=f"vatspec {name}", description=COMMANDS[name][1])
+    command = command_module(name)
+    sub = argparse.ArgumentParser(prog=f"vatspec {name}", description=COMMANDS[name])
     command.configure(sub)
     args = sub.parse_args(rest)
     return int(command.run(args) or 0)

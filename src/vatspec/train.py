@@ -1,17 +1,17 @@
-"""``vatspec train``: one loop for every drafter and every loss.
+"""The training loop: one loop for every drafter and every loss.
 
 The loop does no math: per micro-batch it asks the drafter what the target must compute, runs
 the frozen target (online mode, under no_grad), lets the drafter build its K-position chains,
 simulates verification (``verify.py``) and hands everything to the objective (``losses.py``).
 Runs unchanged under ``torchrun --nproc_per_node=N`` (DDP: gloo on CPU, NCCL on GPUs).
 
-    vatspec train data.train=prompts.jsonl drafter.kind=eagle3 loss.kind=vat train.steps=200
-    vatspec train --config run.yaml --resume
+    cfg = load_config("run.yaml", ["drafter=eagle3", "loss=vat", "train.steps=200"])
+    metrics = train(cfg)            # `vatspec train --config run.yaml drafter=eagle3 loss=vat ...`
+    train(cfg, resume=True)         # `... --resume`: continue the run in cfg.train.out_dir
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from vatspec import checkpoint as ckpt_io
-from vatspec.config import Config, ConfigError, OptimConfig, dump_config, load_config
+from vatspec.config import Config, OptimConfig, dump_config
 from vatspec.drafters import DrafterPlan, build_drafter, plan_batch
 from vatspec.drafters.base import AcceptHead
 from vatspec.losses import vat_objective
@@ -36,7 +36,7 @@ from vatspec.metrics import MetricAccumulator, chain_metrics
 from vatspec.target import TargetOutput
 from vatspec.verify import simulate_verification
 
-REFERENCE = {  # RESEARCH.md: reference optimiser defaults per drafter
+REFERENCE = {  # the reference recipes' optimiser defaults per drafter (EAGLE-3, DFlash)
     "eagle3": {"lr": 1e-4, "warmup_ratio": 0.015, "grad_clip": 0.5},
     "dflash": {"lr": 6e-4, "warmup_ratio": 0.04, "grad_clip": 1.0},
 }
@@ -165,17 +165,21 @@ class Arm:
 
 # ----------------------------------------------------------------------------- distributed
 def _dist_setup(device_pref: str) -> tuple[int, int, torch.device]:
+    from vatspec.target import resolve_device
+
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if device_pref == "auto":
-        device_pref = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = resolve_device(device_pref, "target.device")
+    except ValueError as e:
+        raise TrainError(str(e)) from None
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device_pref == "cuda" else "gloo")
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     rank = dist.get_rank() if dist.is_initialized() else 0
-    if device_pref == "cuda":
+    if device.type == "cuda" and device.index is None:  # one GPU per rank
         local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
         return rank, world, torch.device("cuda", local)
-    return rank, world, torch.device(device_pref)
+    return rank, world, device
 
 
 def _all_reduce_mean(values: dict, world: int) -> dict:
@@ -211,9 +215,13 @@ def train_arms(cfgs: list[Config], *, resume: bool = False, init_from: str | Non
     own optimiser, schedule, RNG stream and run folder); the target's cost is paid once.
     ``target`` may be passed in to reuse a loaded model. Returns each arm's final held-out metrics."""
     from vatspec import data as D
-    from vatspec.target import Target
+    from vatspec.target import open_target
 
     base = cfgs[0]
+    for c in cfgs:
+        if not c.loss.resolved:
+            raise TrainError(f"{c.train.out_dir}: the loss config is not resolved for its drafter; build the config "
+                             "with vatspec.config.load_config or pass it through vatspec.config.resolve_loss")
     for c in cfgs[1:]:
         for sec in SHARED_SECTIONS:
             if getattr(c, sec) != getattr(base, sec):
@@ -240,9 +248,8 @@ def train_arms(cfgs: list[Config], *, resume: bool = False, init_from: str | Non
     if not base.data.train:
         raise TrainError("data.train is empty: name a conversations file (JSONL/JSON/HF dataset folder)")
     convs = D.load_conversations(base.data.train, skip_bad=base.data.skip_bad)  # bad data fails before the model loads
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[base.target.dtype]
     if target is None:
-        target = Target.load(base.target.path, dtype=dtype, device=device)
+        target = open_target(base.target.path, device=device, dtype=base.target.dtype)
     tok = target.tokenizer
     if base.data.heldout:
         train_convs, held_convs = convs, D.load_conversations(base.data.heldout, skip_bad=base.data.skip_bad)
@@ -356,14 +363,13 @@ def _build_arm(cfg: Config, target, counts, total: int, world: int, device, init
     )
     torch.manual_seed(cfg.train.seed)  # same init for every arm of a kind: a fair comparison
     if init_from:  # a training checkpoint, a run folder, or an exported served draft
-        from vatspec.export import load_any_draft
-
-        drafter, _ = load_any_draft(init_from, target, ttt_steps=cfg.drafter.ttt_steps)
+        drafter, _ = ckpt_io.open_draft(init_from, target, ttt_steps=cfg.drafter.ttt_steps)
         drafter.train()
+        _check_init_from(drafter, cfg, init_from)
     else:
         drafter = build_drafter(cfg.drafter, target, counts)
     drafter.to(device)
-    loss_cfg = cfg.loss.resolve(drafter.schedule, block_size=getattr(drafter, "block_size", None))
+    loss_cfg = cfg.loss  # resolved with the config (config.resolve_loss)
     head = AcceptHead(drafter.hidden_size).to(device) if loss_cfg.head else None
     module = TrainModule(drafter, head)
     model = nn.parallel.DistributedDataParallel(module) if world > 1 else module
@@ -371,8 +377,18 @@ def _build_arm(cfg: Config, target, counts, total: int, world: int, device, init
     opt = torch.optim.AdamW(params, lr=optim_cfg.lr, betas=optim_cfg.betas, weight_decay=optim_cfg.weight_decay)
     warmup = int(round(optim_cfg.warmup_ratio * total))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total, warmup, optim_cfg.min_lr_ratio))
-    config_yaml = dump_config(replace(cfg, optim=optim_cfg, loss=loss_cfg))
+    config_yaml = dump_config(replace(cfg, optim=optim_cfg))
     return Arm(cfg, module, model, loss_cfg, optim_cfg, opt, sched, params, Path(cfg.train.out_dir), config_yaml)
+
+
+def _check_init_from(drafter, cfg: Config, init_from: str) -> None:
+    """The loss was resolved for ``cfg.drafter``: the draft started from must be that drafter."""
+    if drafter.kind != cfg.drafter.kind:
+        raise TrainError(f"--init-from {init_from} is a {drafter.kind} draft, but drafter.kind={cfg.drafter.kind}; "
+                         f"pass drafter.kind={drafter.kind}")
+    if drafter.kind == "dflash" and drafter.block_size != cfg.drafter.block_size:
+        raise TrainError(f"--init-from {init_from} has block size {drafter.block_size}, but "
+                         f"drafter.block_size={cfg.drafter.block_size}; pass drafter.block_size={drafter.block_size}")
 
 
 def _restore_arm(arm: Arm, ck: Path) -> dict:
@@ -455,28 +471,3 @@ def _progress(total: int, initial: int, enabled: bool, desc: str, position: int 
 
     return tqdm(total=total, initial=initial, disable=not enabled, desc=desc, dynamic_ncols=True, position=position,
                 file=sys.stderr)
-
-
-# ----------------------------------------------------------------------------- CLI
-def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("overrides", nargs="*", help="section.field=value overrides (e.g. loss.kind=vat)")
-    parser.add_argument("--config", help="YAML file of overrides")
-    parser.add_argument("--resume", action="store_true", help="continue the run in train.out_dir")
-    parser.add_argument("--init-from", help="start from an existing draft (checkpoint or exported folder)")
-    parser.add_argument("--no-progress", action="store_true")
-
-
-def run(args: argparse.Namespace) -> int:
-    from vatspec.data import DataError
-    from vatspec.target import TargetError
-
-    try:
-        cfg = load_config(args.config, args.overrides)
-        metrics = train(cfg, resume=args.resume, init_from=args.init_from, progress=not args.no_progress)
-    except (ConfigError, TrainError, ckpt_io.CheckpointError, DataError, TargetError) as e:
-        print(f"vatspec train: error: {e}", file=sys.stderr)
-        return 2
-    if metrics:
-        keys = ["tau_sim", "mean_first_reject", "post_reject_match", "loss"]
-        print("held-out: " + ", ".join(f"{k}={metrics[k]:.4f}" for k in keys if k in metrics))
-    return 0

@@ -11,12 +11,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from vatspec.target import Target, prepare_default_target
+    from vatspec.target import open_target, prepare_default_target
 
     t0 = time.time()
     path = prepare_default_target(force=args.force)
     t1 = time.time()
-    target = Target.from_pretrained(path)
+    target = open_target(path, device="cpu", dtype="float32")
     t2 = time.time()
     print(f"default target: {path}")
     print(f"  layers={target.num_layers} hidden={target.hidden_size} vocab={target.vocab_size}")

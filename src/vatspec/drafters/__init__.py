@@ -33,6 +33,11 @@ def _classes(kind: str, source: str = "drafter.kind"):
     return getattr(module, cls), getattr(module, cfg)
 
 
+def drafter_class(kind: str, source: str = "drafter.kind") -> type:
+    """The drafter class registered for ``kind`` (its ``schedule`` names its loss curve)."""
+    return _classes(kind, source)[0]
+
+
 @dataclass
 class DrafterPlan:
     """What one micro-batch needs: where the target must produce logits (None = everywhere)

@@ -1,0 +1,53 @@
+"""``vatspec demo``: baselines vs VAT for both drafters on the embedded default target
+(``vatspec.demo.run_demo``), written as a report folder.
+
+    vatspec demo [--quick] [--out reports/demo]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+from pathlib import Path
+
+from vatspec.demo import SIZES, DemoError, DemoSize, run_demo
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help="the ~3-minute smoke size (CI runs it)")
+    parser.add_argument("--out", default="reports/demo", help="report folder (default: reports/demo)")
+    parser.add_argument("--steps", type=int, help="override the number of training steps")
+    parser.add_argument("--prompts", type=int, help="override the number of training conversations")
+    parser.add_argument("--eval-prompts", type=int, help="override prompts per benchmark")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--no-progress", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    show_steps("demo")
+    try:
+        run_demo(Path(args.out), size_of(args), threads=args.threads, progress=not args.no_progress)
+    except DemoError as e:
+        print(f"vatspec demo: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def size_of(args: argparse.Namespace) -> DemoSize:
+    """``--quick`` picks the size; ``--steps``, ``--prompts``, ``--eval-prompts`` override it."""
+    size = SIZES["quick" if args.quick else "default"]
+    changes = {k: v for k, v in (("steps", args.steps), ("prompts", args.prompts),
+                                 ("eval_prompts", args.eval_prompts)) if v is not None}
+    return dataclasses.replace(size, **changes)
+
+
+def show_steps(command: str) -> None:
+    """Print the demo's step log (``vatspec.demo``) on stderr as ``[vatspec COMMAND HH:MM:SS] ...``."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(f"[vatspec {command} %(asctime)s] %(message)s", "%H:%M:%S"))
+    logger = logging.getLogger("vatspec.demo")
+    logger.handlers[:] = [handler]
+    logger.setLevel(logging.INFO)
+    logger.propagate = False

@@ -1,0 +1,109 @@
+"""``vatspec eval``: speculative decoding of each draft against the AR baseline on benchmarks
+(``vatspec.bench`` measures and writes the report).
+
+    vatspec eval --draft base=runs/e3 --draft vat=runs/e3_vat --bench gsm8k --relative-to vat=base
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from vatspec import benchmarks, data
+from vatspec.bench import evaluate, write_report
+from vatspec.checkpoint import CheckpointError, open_draft
+from vatspec.commands import DTYPE_METAVAR, dtype_arg, report
+from vatspec.data import DataError
+from vatspec.target import TargetError, open_target
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", default="default", help="'default' (embedded SmolLM2) or a local HF folder")
+    parser.add_argument("--draft", action="append", default=[], metavar="[NAME=]PATH",
+                        help="a checkpoint, run folder or exported draft; repeat for several methods")
+    parser.add_argument("--bench", action="append", default=[], metavar="NAME",
+                        help="a bundled benchmark (repeatable; default: all, unless --prompts is given)")
+    parser.add_argument("--prompts", action="append", default=[], metavar="FILE",
+                        help="your own prompts (JSONL conversations); the file stem names the benchmark")
+    parser.add_argument("--num-prompts", type=int, default=None, help="first N prompts of each benchmark")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--draft-argmax", action="store_true", help="draft by argmax at T > 0 (as vLLM)")
+    parser.add_argument("--k", type=int, default=None, help="drafted tokens per round (default: the drafter's)")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--warmup", type=int, default=1, help="prompts run untimed first")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--exit-threshold", type=float, default=None, help="accept-head early exit")
+    parser.add_argument("--no-head", action="store_true", help="ignore saved accept heads")
+    parser.add_argument("--relative-to", action="append", default=[], metavar="[METHOD=]BASE",
+                        help="add Δ%% rows vs BASE: under every method, or under METHOD only (repeatable)")
+    parser.add_argument("--no-hf", action="store_true", help="skip the HF generate() baseline")
+    parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument("--out", default="runs/eval", help="output folder")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="float32", type=dtype_arg, metavar=DTYPE_METAVAR)
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except (CheckpointError, DataError, TargetError) as e:
+        return report("eval", e)
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target = open_target(args.target, device=args.device, dtype=args.dtype)
+    methods = {}
+    for spec in args.draft:
+        name, path = _parse_draft(spec)
+        if name in methods:
+            raise SystemExit(f"--draft: method name {name!r} given twice")
+        drafter, head = open_draft(path, target)
+        methods[name] = (drafter, None if args.no_head else head)
+    benches = args.bench or ([] if args.prompts else benchmarks.list_benchmarks())
+    prompts = {b: benchmarks.load_benchmark(b) for b in benches}
+    for f in args.prompts:
+        prompts[Path(f).stem] = data.load_conversations(f, require_assistant=False)
+    if args.num_prompts is not None:
+        prompts = {b: ps[: args.num_prompts] for b, ps in prompts.items()}
+    results = evaluate(
+        target, methods, prompts, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
+        warmup=args.warmup, seed=args.seed, exit_threshold=args.exit_threshold, k=args.k, top_k=args.top_k,
+        top_p=args.top_p, draft_argmax=args.draft_argmax, hf_baseline=not args.no_hf,
+    )
+    results["config"]["drafts"] = dict(_parse_draft(s) for s in args.draft)
+    paths = write_report(results, args.out, _relative_to(args.relative_to, list(methods)), plots=not args.no_plots)
+    print(paths["markdown"].read_text())
+    print("wrote " + ", ".join(str(p) for p in paths.values()))
+    return 0
+
+
+def _relative_to(specs: Sequence[str], methods: Sequence[str]) -> dict[str, str] | None:
+    """``["BASE"]`` -> every other method vs BASE; ``["M=BASE", ...]`` -> M vs BASE; both may mix."""
+    out: dict[str, str] = {}
+    for spec in specs:
+        method, sep, base = spec.rpartition("=")
+        if sep:
+            if method not in methods:
+                raise SystemExit(f"--relative-to {spec!r}: no method {method!r} (have {', '.join(methods)})")
+            out[method] = base
+        else:
+            out.update({m: base for m in methods if m != base and m not in out})
+    return out or None
+
+
+def _parse_draft(spec: str) -> tuple[str, str]:
+    name, sep, path = spec.partition("=")
+    if not sep:
+        path = spec
+        name = Path(spec.rstrip("/")).name
+    if not name or not path:
+        raise ValueError(f"--draft {spec!r}: expected NAME=PATH or PATH")
+    return name, path

@@ -1,0 +1,55 @@
+"""``vatspec export``: a training checkpoint or run folder -> a validated served draft folder
+(``vatspec.export``; docs/serving.md lists the formats and how the engines launch them).
+
+    vatspec export RUN_OR_CHECKPOINT [--format eagle3-hf|speculators|dflash] --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from vatspec.checkpoint import CheckpointError, open_draft, saved_config
+from vatspec.commands import DTYPE_METAVAR, dtype_arg, report
+from vatspec.export import DEFAULT_FORMAT, FORMATS, export_draft, to_vllm_ids
+from vatspec.export.formats import HEAD_DIR
+from vatspec.target import TargetError, open_target
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoint", help="a checkpoint folder, or a run folder (-> its latest checkpoint)")
+    parser.add_argument("--format", choices=list(FORMATS), help="default: eagle3-hf for EAGLE-3, dflash for DFlash")
+    parser.add_argument("--out", required=True, help="the folder to write (must not exist or be empty)")
+    parser.add_argument("--target", help="target model folder; default: target.path of the checkpoint's config.yaml")
+    parser.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    parser.add_argument("--dtype", type=dtype_arg, metavar=DTYPE_METAVAR, help="weights dtype; default: as trained")
+    parser.add_argument("--exit-threshold", type=float, help="accept-head early-exit threshold stored beside the draft")
+    parser.add_argument("--speculative-tokens", type=int, help="speculators: tokens per round (default: TTT steps)")
+    parser.add_argument("--verifier", help="speculators: the target's name for `vllm serve DIR` (default: its path)")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        target_path = args.target or _saved_target_path(args.checkpoint)
+        target = open_target(target_path, device="meta")  # config and tokenizer: no weight is read
+        drafter, head = open_draft(args.checkpoint, target, device="cpu")
+        fmt = args.format or DEFAULT_FORMAT[drafter.kind]
+        out = export_draft(drafter, target, args.out, fmt=fmt, head=head, exit_threshold=args.exit_threshold,
+                           dtype=args.dtype, force=args.force, speculative_tokens=args.speculative_tokens,
+                           verifier=args.verifier)
+    except (CheckpointError, TargetError, ValueError) as e:
+        return report("export", e)
+    ids = list(drafter.target_layer_ids)
+    print(f"wrote a validated {fmt} draft to {out} (target {target_path})")
+    print(f"  layer ids: ours/SGLang/DFlash (output of layer i) {ids}; vLLM (input of layer j) {to_vllm_ids(ids)}")
+    if head is not None:
+        print(f"  accept head: {out / HEAD_DIR} (threshold {args.exit_threshold}); not part of the served weights")
+    print("  launch commands: docs/serving.md")
+    return 0
+
+
+def _saved_target_path(path: str) -> str:
+    """target.path of the run config saved in the checkpoint (read as a config, aliases and all)."""
+    try:
+        return saved_config(path).target.path
+    except CheckpointError as e:
+        raise CheckpointError(f"{e}; pass --target") from e

@@ -1,0 +1,227 @@
+"""Formats in: a served draft folder (ours or third-party) -> this project's drafter, and the
+VAT accept head saved beside it. Fails with the field at fault when the draft does not fit the target."""
+
+from __future__ import annotations
+
+import pickle
+import warnings
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+from torch import Tensor
+
+from vatspec.drafters.base import AcceptHead
+from vatspec.drafters.dflash import DFlashConfig, DFlashDrafter, default_target_layer_ids
+from vatspec.drafters.eagle3 import Eagle3Config, Eagle3Drafter, default_layer_ids
+from vatspec.drafters.vocab import check_draft_vocab
+from vatspec.export.formats import (
+    CONFIG,
+    HEAD_DIR,
+    HEAD_FORMAT,
+    HEAD_INPUT,
+    WEIGHTS,
+    ExportError,
+    detect_format,
+    internal_name,
+    read_json,
+    to_vllm_ids,
+)
+
+
+# ----------------------------------------------------------------------------- import
+def import_draft(path: str | Path, target, *, ttt_steps: int | None = None,
+                 device: str | torch.device | None = None):
+    """A served draft folder (any of the three formats, ours or third-party) -> this project's drafter,
+    attached to ``target``, in float32, in eval mode. EAGLE-3 TTT steps: ``ttt_steps``, else the
+    speculators ``speculative_tokens``, else 7 (a training setting the HF format does not record)."""
+    path = Path(path)
+    src = str(path / CONFIG)
+    cfg = read_json(path / CONFIG)
+    fmt = detect_format(cfg, src)
+    weights = {internal_name(fmt, k): v for k, v in _read_weights(path).items()}
+    emb = weights.pop("embed_tokens.weight", None)  # speculators' converter adds the verifier's embedding
+    if emb is not None and not (emb.shape == target.embed_tokens.weight.shape and torch.allclose(
+            emb.float(), target.embed_tokens.weight.detach().float().cpu(), atol=1e-2)):
+        warnings.warn(f"{path}: embed_tokens.weight differs from the target's embedding; the drafter uses the "
+                      "target's (as SGLang and vLLM do when the shapes agree)", stacklevel=2)
+    if fmt == "dflash":
+        drafter = DFlashDrafter(_dflash_config(cfg, target, src))
+    else:
+        drafter = Eagle3Drafter(_eagle3_config(fmt, cfg, target, src, ttt_steps))
+        c = drafter.config
+        if "d2t" not in weights and "t2d" not in weights and c.draft_vocab_size == c.vocab_size:
+            weights["d2t"], weights["t2d"] = drafter.d2t.clone(), torch.ones(c.vocab_size, dtype=torch.bool)
+    drafter.attach_target(target)
+    try:
+        drafter.load_state_dict(weights, strict=True)
+    except RuntimeError as e:
+        raise ExportError(f"{path}: the weights do not fit the {fmt} config: {e}") from e
+    if fmt != "dflash":
+        try:
+            check_draft_vocab(drafter.d2t, drafter.t2d)
+        except ValueError as e:
+            raise ExportError(f"{path}: d2t / t2d: {e}") from e
+    return drafter.to(device or target.device).eval()
+
+
+def _fit(src: str, name: str, have, want) -> None:
+    if have != want:
+        raise ExportError(f"{src}: {name}={have} does not match the target ({want})")
+
+
+def _rope(lc: dict) -> tuple[float, dict | None]:
+    rp = lc.get("rope_parameters")
+    if isinstance(rp, dict) and "rope_theta" in rp:  # transformers 5 layout
+        theta, scaling = float(rp["rope_theta"]), {k: v for k, v in rp.items() if k != "rope_theta"}
+    else:
+        theta, scaling = float(lc.get("rope_theta", 10000.0)), dict(lc.get("rope_scaling") or {})
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    return theta, (None if kind == "default" else {"rope_type": kind, **{k: v for k, v in scaling.items()
+                                                                        if k not in ("type", "rope_type")}})
+
+
+def _eagle3_config(fmt: str, cfg: dict, target, src: str, ttt_steps: int | None) -> Eagle3Config:
+    lc = cfg.get("transformer_layer_config") if fmt == "speculators" else cfg
+    if not isinstance(lc, dict):
+        raise ExportError(f"{src}: transformer_layer_config is missing")
+    for name in ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size"):
+        if name not in lc:
+            raise ExportError(f"{src}: {name} is missing")
+    unsupported = {"num_hidden_layers": lc.get("num_hidden_layers", 1) != 1,
+                   "norm_before_residual": bool(cfg.get("norm_before_residual", fmt == "speculators")),
+                   "attention_bias": bool(lc.get("attention_bias")), "mlp_bias": bool(lc.get("mlp_bias")),
+                   "bias": bool(cfg.get("bias")), "norm_before_fc": bool(cfg.get("norm_before_fc")),
+                   "fc_norm": bool(cfg.get("fc_norm")),
+                   "use_aux_hidden_state": (cfg.get("eagle_config") or {}).get("use_aux_hidden_state", True) is False}
+    for name, hit in unsupported.items():
+        if hit:
+            raise ExportError(f"{src}: {name}={cfg.get(name, lc.get(name))!r} is an EAGLE-3 variant vatspec's drafter "
+                              "does not implement (one llama layer, residual on the pre-norm h, no biases)")
+    H, V = lc["hidden_size"], lc["vocab_size"]
+    _fit(src, "vocab_size", V, target.vocab_size)
+    _fit(src, "target_hidden_size", cfg.get("target_hidden_size") or H, target.hidden_size)
+    _fit(src, "hidden_size (the draft shares the target's embedding)", H, target.hidden_size)
+    sglang = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") if fmt == "eagle3-hf" else None
+    vllm = cfg.get("eagle_aux_hidden_state_layer_ids")
+    if sglang is not None:
+        ids = [int(i) for i in sglang]
+        if vllm is not None and to_vllm_ids(ids) != [int(i) for i in vllm]:
+            warnings.warn(f"{src}: eagle_config.eagle_aux_hidden_state_layer_ids {ids} (SGLang, output of layer i) "
+                          f"and eagle_aux_hidden_state_layer_ids {vllm} (vLLM, input of layer j) disagree; "
+                          "using SGLang's", stacklevel=3)
+    elif vllm is not None:
+        ids = [int(i) - 1 for i in vllm]
+    else:
+        ids = list(default_layer_ids(target.num_layers))
+    if len(ids) != 3 or min(ids) < 0 or max(ids) >= target.num_layers:
+        raise ExportError(f"{src}: layer ids {ids} (output of layer i) do not fit a {target.num_layers}-layer target")
+    if ttt_steps is None and fmt == "speculators":
+        methods = (cfg.get("speculators_config") or {}).get("proposal_methods") or [{}]
+        ttt_steps = methods[0].get("speculative_tokens")
+    nh = lc["num_attention_heads"]
+    theta, scaling = _rope(lc)
+    try:
+        return Eagle3Config(
+            hidden_size=H, target_hidden_size=cfg.get("target_hidden_size") or H, num_heads=nh,
+            num_kv_heads=lc.get("num_key_value_heads") or nh, head_dim=lc.get("head_dim") or H // nh,
+            intermediate_size=lc["intermediate_size"], rms_norm_eps=float(lc.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta, vocab_size=V, draft_vocab_size=cfg.get("draft_vocab_size") or V, target_layer_ids=ids,
+            ttt_steps=int(ttt_steps or 7), max_position_embeddings=int(lc.get("max_position_embeddings", 2048)),
+            hidden_act=lc.get("hidden_act", "silu"), rope_scaling=scaling,
+        )
+    except ValueError as e:
+        raise ExportError(f"{src}: {e}") from e
+
+
+def _dflash_config(cfg: dict, target, src: str) -> DFlashConfig:
+    dc = cfg.get("dflash_config") or {}
+    for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers"):
+        if name not in cfg:
+            raise ExportError(f"{src}: {name} is missing")
+    types = set(cfg.get("layer_types") or ["full_attention"])
+    if types != {"full_attention"} or cfg.get("is_causal") or dc.get("causal") or cfg.get("use_sliding_window") \
+            or cfg.get("attention_bias") or dc.get("use_swa"):
+        raise ExportError(f"{src}: causal / sliding-window / biased DFlash layers are a variant vatspec's drafter does "
+                          "not implement (full non-causal attention, no biases)")
+    H, L = cfg["hidden_size"], cfg["num_hidden_layers"]
+    NT = dc.get("num_target_layers", cfg.get("num_target_layers", target.num_layers))
+    _fit(src, "num_target_layers", NT, target.num_layers)
+    _fit(src, "vocab_size", cfg.get("vocab_size", target.vocab_size), target.vocab_size)
+    _fit(src, "target_hidden_size", cfg.get("target_hidden_size") or H, target.hidden_size)
+    _fit(src, "hidden_size (the draft shares the target's embedding and lm_head)", H, target.hidden_size)
+    ids = dc.get("target_layer_ids", cfg.get("target_layer_ids")) or default_target_layer_ids(NT, L)
+    ids = [int(i) for i in ids]
+    vllm = cfg.get("eagle_aux_hidden_state_layer_ids")
+    if vllm is not None and [int(i) for i in vllm] != to_vllm_ids(ids):
+        warnings.warn(f"{src}: eagle_aux_hidden_state_layer_ids {vllm} (vLLM) is not dflash_config.target_layer_ids "
+                      f"{ids} + 1; using dflash_config", stacklevel=3)
+    mask_id, mask = dc.get("mask_token_id", cfg.get("mask_token_id")), dc.get("mask_token")
+    if mask_id is None:  # as SGLang: look the mask string up in the target's vocabulary
+        vocab = target.tokenizer.get_vocab() if target.tokenizer is not None else {}
+        mask = mask or "<|MASK|>"
+        mask_id = vocab.get(mask)
+        if mask_id is None:
+            raise ExportError(f"{src}: dflash_config.mask_token_id is missing and the target's tokenizer "
+                              f"has no {mask!r}")
+    nh = cfg["num_attention_heads"]
+    theta, scaling = _rope(cfg)
+    try:
+        return DFlashConfig(
+            target_layer_ids=tuple(ids), num_target_layers=NT, target_hidden_size=cfg.get("target_hidden_size") or H,
+            vocab_size=target.vocab_size, hidden_size=H, num_attention_heads=nh,
+            num_key_value_heads=cfg.get("num_key_value_heads") or nh, head_dim=cfg.get("head_dim") or H // nh,
+            intermediate_size=cfg["intermediate_size"], mask_token_id=int(mask_id), mask_source="override",
+            mask_token=mask, num_layers=L, block_size=int(dc.get("block_size", cfg.get("block_size", 16))),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
+            target_model_type=str(cfg.get("model_type", "qwen3")),
+        )
+    except ValueError as e:
+        raise ExportError(f"{src}: {e}") from e
+
+
+def _read_weights(path: Path) -> dict[str, Tensor]:
+    """model.safetensors, a sharded safetensors index, or pytorch_model.bin (older EAGLE-3 releases)."""
+    index = path / "model.safetensors.index.json"
+    if (path / WEIGHTS).is_file():
+        files = [path / WEIGHTS]
+    elif index.is_file():
+        files = [path / s for s in sorted(set(read_json(index).get("weight_map", {}).values()))]
+    elif (path / "pytorch_model.bin").is_file():
+        files = [path / "pytorch_model.bin"]
+    else:
+        raise ExportError(f"{path}: no {WEIGHTS}, model.safetensors.index.json or pytorch_model.bin")
+    try:
+        return {k: v for f in files for k, v in (
+            torch.load(f, map_location="cpu", weights_only=True) if f.suffix == ".bin" else load_file(f)).items()}
+    except (OSError, RuntimeError, SafetensorError, pickle.UnpicklingError) as e:
+        raise ExportError(f"{path}: unreadable weights ({e})") from e
+
+
+def load_accept_head(path: str | Path, *, device: str | torch.device | None = None) -> tuple[AcceptHead, float | None]:
+    """The VAT accept head saved beside a served draft (the export folder or its ``accept_head/``)
+    -> ``(head, exit threshold | None)``. The head reads the drafter's post-norm last hidden state."""
+    folder = Path(path)
+    folder = folder / HEAD_DIR if (folder / HEAD_DIR).is_dir() else folder
+    meta = read_json(folder / CONFIG)
+    src = f"{HEAD_DIR}/{CONFIG}"
+    if meta.get("format") != HEAD_FORMAT or meta.get("input") != HEAD_INPUT:
+        raise ExportError(f"{src}: format {meta.get('format')!r} / input {meta.get('input')!r}, "
+                          f"expected {HEAD_FORMAT!r} / {HEAD_INPUT!r}")
+    thr = meta.get("threshold")
+    if thr is not None and not (isinstance(thr, (int, float)) and 0.0 <= thr <= 1.0):
+        raise ExportError(f"{src}: threshold {thr!r} must be a probability in [0, 1] or null")
+    size = meta.get("hidden_size")
+    if not (isinstance(size, int) and size > 0):
+        raise ExportError(f"{src}: hidden_size {size!r} must be a positive integer")
+    head = AcceptHead(size)
+    file = folder / "head.safetensors"
+    if not file.is_file():
+        raise ExportError(f"{HEAD_DIR}/head.safetensors is missing")
+    try:
+        head.load_state_dict(load_file(file), strict=True)
+    except (RuntimeError, OSError, SafetensorError) as e:
+        raise ExportError(f"{HEAD_DIR}/head.safetensors does not fit hidden_size={size}: {e}") from e
+    return head.to(device or "cpu").eval(), (None if thr is None else float(thr))

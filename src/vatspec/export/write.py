@@ -1,0 +1,175 @@
+"""Formats out: a drafter (and its accept head) -> a validated served draft folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+from safetensors.torch import save_file
+
+from vatspec.drafters.base import AcceptHead
+from vatspec.drafters.dflash import DFlashConfig
+from vatspec.drafters.eagle3 import Eagle3Config
+from vatspec.export.formats import (
+    CONFIG,
+    DEFAULT_FORMAT,
+    FORMATS,
+    HEAD_DIR,
+    HEAD_FORMAT,
+    HEAD_INPUT,
+    WEIGHTS,
+    ExportError,
+    served_name,
+    to_vllm_ids,
+)
+from vatspec.export.validate import validate_export
+from vatspec.target import DTYPES, dtype_name
+
+
+# ----------------------------------------------------------------------------- config.json
+def _layer_fields(c: Eagle3Config | DFlashConfig, num_layers: int) -> dict:
+    """The decoder-layer fields both engines read (a LlamaConfig / Qwen3Config subset)."""
+    heads = c.num_heads if isinstance(c, Eagle3Config) else c.num_attention_heads
+    kv = c.num_kv_heads if isinstance(c, Eagle3Config) else c.num_key_value_heads
+    return {
+        "model_type": "llama" if isinstance(c, Eagle3Config) else c.target_model_type,
+        "vocab_size": c.vocab_size, "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": num_layers, "num_attention_heads": heads, "num_key_value_heads": kv,
+        "head_dim": c.head_dim, "hidden_act": getattr(c, "hidden_act", "silu"), "rms_norm_eps": c.rms_norm_eps,
+        "max_position_embeddings": c.max_position_embeddings, "rope_theta": c.rope_theta,
+        "rope_scaling": c.rope_scaling, "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
+    }
+
+
+def build_config(fmt: str, drafter, target, dtype: str, *, speculative_tokens: int | None = None,
+                 verifier: str | None = None) -> dict:
+    """The config.json of ``drafter`` in format ``fmt`` (see the module docstring for the ids).
+
+    speculators only: ``speculative_tokens`` per round (default: the TTT steps) and ``verifier``, the
+    target name vLLM loads when serving the draft folder alone (default: the target's path)."""
+    c = drafter.config
+    ids = [int(i) for i in c.target_layer_ids]
+    if fmt == "dflash":
+        mask = {"mask_token_id": c.mask_token_id, "target_layer_ids": ids}
+        if c.mask_token is not None:  # SGLang reads the string too (default "<|MASK|>")
+            mask["mask_token"] = c.mask_token
+        fields = _layer_fields(c, c.num_layers)
+        del fields["mlp_bias"]
+        return {"architectures": ["DFlashDraftModel"], **fields, "torch_dtype": dtype, "is_causal": False,
+                "block_size": c.block_size, "num_target_layers": c.num_target_layers, "dflash_config": mask,
+                "eagle_aux_hidden_state_layer_ids": to_vllm_ids(ids)}
+    eagle = {"draft_vocab_size": c.draft_vocab_size, "target_hidden_size": c.target_hidden_size,
+             "norm_before_residual": False}  # the residual is the pre-norm h (vLLM's speculators default is True)
+    if fmt == "eagle3-hf":
+        return {"architectures": ["LlamaForCausalLMEagle3"], **_layer_fields(c, 1), "torch_dtype": dtype, **eagle,
+                "eagle_config": {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": ids},
+                "eagle_aux_hidden_state_layer_ids": to_vllm_ids(ids)}
+    cfg = getattr(target.model, "config", None)
+    proposal = {"proposal_type": "greedy", "speculative_tokens": int(speculative_tokens or c.ttt_steps),
+                "verifier_accept_k": 1, "accept_tolerance": 0.0}
+    verifier = {"name_or_path": verifier or target.path or getattr(cfg, "_name_or_path", None) or None,
+                "architectures": list(getattr(cfg, "architectures", None) or [])}
+    return {"speculators_model_type": "eagle3", "architectures": ["Eagle3Speculator"], "torch_dtype": dtype,
+            "transformer_layer_config": _layer_fields(c, 1), **eagle,
+            "eagle_aux_hidden_state_layer_ids": to_vllm_ids(ids),
+            "speculators_config": {"algorithm": "eagle3", "proposal_methods": [proposal],
+                                   "default_proposal_method": "greedy", "verifier": verifier}}
+
+
+# ----------------------------------------------------------------------------- export
+def export_draft(
+    drafter,
+    target,
+    out: str | Path,
+    *,
+    fmt: str | None = None,
+    head: AcceptHead | None = None,
+    exit_threshold: float | None = None,
+    dtype: str | None = None,
+    force: bool = False,
+    speculative_tokens: int | None = None,
+    verifier: str | None = None,
+) -> Path:
+    """Write ``drafter`` (and ``head`` beside it) as a served draft folder; return the folder.
+
+    ``fmt`` defaults from the drafter kind; ``dtype`` (float32 | bfloat16 | float16, or an alias) from its weights.
+    The folder is written under a temporary name, validated (``validate_export``) and only then
+    renamed to ``out``; an existing non-empty ``out`` is replaced only with ``force``.
+    """
+    fmt = fmt or DEFAULT_FORMAT[drafter.kind]
+    if fmt not in FORMATS:
+        raise ExportError(f"unknown format {fmt!r} (known: {', '.join(FORMATS)})")
+    if FORMATS[fmt] != drafter.kind:
+        raise ExportError(f"format {fmt!r} serves {FORMATS[fmt]} drafts, not a {drafter.kind} drafter")
+    if exit_threshold is not None and head is None:
+        raise ExportError("--exit-threshold needs an accept head (the checkpoint has no head.safetensors)")
+    _check_exportable(drafter)
+    try:
+        dtype = dtype_name(dtype or drafter.fc.weight.dtype)
+    except ValueError as e:
+        raise ExportError(str(e)) from None
+    cfg = build_config(fmt, drafter, target, dtype, speculative_tokens=speculative_tokens, verifier=verifier)
+    state = {
+        served_name(fmt, k): (v.to(DTYPES[dtype]) if v.is_floating_point() else v).detach().cpu().contiguous()
+        for k, v in drafter.state_dict().items()
+    }
+
+    def write(folder: Path) -> None:
+        (folder / CONFIG).write_text(json.dumps(cfg, indent=2) + "\n")
+        save_file(state, folder / WEIGHTS, metadata={"format": "pt"})
+        if head is not None:
+            _write_head(folder / HEAD_DIR, head, drafter, exit_threshold)
+        validate_export(folder, target)
+
+    return _write_atomically(Path(out), write, force=force)
+
+
+def _check_exportable(drafter) -> None:
+    c = drafter.config
+    if drafter.kind == "eagle3":
+        if len(c.target_layer_ids) != 3:
+            raise ExportError(f"EAGLE-3 engines read exactly 3 target layers (fc: 3 * target_hidden_size); "
+                              f"this draft uses {list(c.target_layer_ids)}")
+        if c.hidden_act != "silu":
+            raise ExportError(f"the engines' EAGLE-3 MLP is SiLU only; this draft uses hidden_act={c.hidden_act!r}")
+    elif c.mask_source == "learned":
+        raise ExportError("this DFlash draft learned its own MASK embedding row (drafter.mask_token_id unset and no "
+                          "unused target id); served DFlash reads the MASK embedding from the target, so retrain with "
+                          "drafter.mask_token_id=<an unused target id>")
+
+
+def _write_head(folder: Path, head: AcceptHead, drafter, threshold: float | None) -> None:
+    folder.mkdir()
+    save_file({k: v.detach().float().cpu().contiguous() for k, v in head.state_dict().items()},
+              folder / "head.safetensors", metadata={"format": "pt"})
+    meta = {"format": HEAD_FORMAT, "version": 1, "drafter_kind": drafter.kind, "input": HEAD_INPUT,
+            "hidden_size": int(head.proj.in_features), "threshold": threshold,
+            "output": "logit; sigmoid = P(the drafted prefix is still accepted at this position)"}
+    (folder / CONFIG).write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def _write_atomically(out: Path, write, *, force: bool) -> Path:
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"{out} exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise ExportError(f"{out} exists and is not empty; pass --force to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        write(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out.exists():  # keep the old folder until the new one is in place
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        os.replace(out, old)
+        os.replace(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, out)
+    return out
+

@@ -1,0 +1,71 @@
+"""The ``vatspec`` command: every subcommand has the one shape, and the library holds no CLI."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+from pathlib import Path
+
+import pytest
+
+from vatspec.cli import COMMANDS, command_module, main
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "vatspec"
+
+
+@pytest.mark.parametrize("name", list(COMMANDS))
+def test_every_command_is_a_module_with_configure_and_run(name, capsys):
+    module = command_module(name)
+    assert module.__name__ == f"vatspec.commands.{name.replace('-', '_')}"
+    assert callable(module.configure) and callable(module.run)
+    parser = argparse.ArgumentParser(prog=f"vatspec {name}")
+    module.configure(parser)
+    with pytest.raises(SystemExit) as e:
+        main([name, "--help"])
+    assert e.value.code == 0 and f"usage: vatspec {name}" in capsys.readouterr().out
+
+
+def test_library_modules_hold_no_command_line_code():
+    """argparse, SystemExit and configure/run live in commands/ and cli.py only."""
+    offenders = []
+    for path in sorted(SRC.rglob("*.py")):
+        rel = path.relative_to(SRC).as_posix()
+        if rel == "cli.py" or rel.startswith("commands/"):
+            continue
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [a.name for a in node.names] + ([node.module] if isinstance(node, ast.ImportFrom) else [])
+                if "argparse" in names:
+                    offenders.append(f"{rel}:{node.lineno} imports argparse")
+            elif isinstance(node, ast.Name) and node.id == "SystemExit":
+                offenders.append(f"{rel}:{node.lineno} raises SystemExit")
+        top = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+        if {"configure", "run"} <= top:
+            offenders.append(f"{rel} defines configure / run")
+    assert not offenders, offenders
+
+
+def test_unknown_command_and_help(capsys):
+    assert main(["nope"]) == 2 and "unknown command 'nope'" in capsys.readouterr().err
+    assert main([]) == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in COMMANDS)
+
+
+def test_dtype_flags_take_aliases_and_name_the_bad_one(capsys):
+    parser = argparse.ArgumentParser()
+    command_module("eval").configure(parser)
+    assert parser.parse_args(["--dtype", "bf16"]).dtype == "bfloat16"
+    assert parser.parse_args([]).dtype == "float32"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--dtype", "fp8"])
+    assert "dtype 'fp8' is not one of float32, bfloat16, float16" in capsys.readouterr().err
+
+
+def test_demo_refuses_a_foreign_folder_in_one_line(tmp_path, capsys):
+    (tmp_path / "keep.txt").write_text("mine")
+    assert main(["demo", "--quick", "--out", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("vatspec demo: ") and "not made by vatspec demo" in err and "Traceback" not in err
+    assert (tmp_path / "keep.txt").read_text() == "mine"

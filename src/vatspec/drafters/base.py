@@ -1,9 +1,9 @@
 """What every drafter gives the training loop, and the accept head that sits beside it.
 
 One loop trains both drafters because each reduces a batch to the same shape: N verification
-chains of K drafted positions (EAGLE-3: one chain per sequence index, K = TTT steps; DFlash: one
-chain per anchor, K = block_size - 1 slots). Verification, weights and losses then act on
-``[..., K]`` without knowing which drafter made them.
+chains of k drafted positions (EAGLE-3: one chain per sequence index, k = TTT steps; DFlash: one
+chain per anchor, k = block_size - 1 slots; ``drafter.k`` either way). Verification, weights and
+losses then act on ``[..., k]`` without knowing which drafter made them.
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ from vatspec.target import skinny_linear
 
 @dataclass
 class DraftOutput:
-    """Chains of K drafted positions; ``...`` are the chain dims ([B, T] or [B, A]).
+    """Chains of k drafted positions; ``...`` are the chain dims ([B, T] or [B, A]).
 
-    logits:        [..., K, Vd] draft logits over the draft vocabulary.
-    hidden:        [..., K, H]  the drafter's last hidden state at each position (the accept head's input).
-    target_logits: [..., K, V]  target logits predicting the same tokens (may be a strided view).
-    valid:         [..., K] bool, True where the position exists and is supervised; a prefix mask along K.
+    logits:        [..., k, Vd] draft logits over the draft vocabulary.
+    hidden:        [..., k, H]  the drafter's last hidden state at each position (the accept head's input).
+    target_logits: [..., k, V]  target logits predicting the same tokens (may be a strided view).
+    valid:         [..., k] bool, True where the position exists and is supervised; a prefix mask along k.
     """
 
     logits: Tensor
@@ -32,14 +32,14 @@ class DraftOutput:
     valid: Tensor
 
     def __post_init__(self):
-        K = self.valid.shape[-1]
+        k = self.valid.shape[-1]
         lead = self.valid.shape
         assert self.logits.shape[:-1] == lead, f"logits {tuple(self.logits.shape)} vs valid {tuple(lead)}"
         assert self.hidden.shape[:-1] == lead, f"hidden {tuple(self.hidden.shape)} vs valid {tuple(lead)}"
         assert self.target_logits.shape[:-1] == lead, (
             f"target_logits {tuple(self.target_logits.shape)} vs valid {tuple(lead)}"
         )
-        assert K >= 1 and self.valid.dtype == torch.bool
+        assert k >= 1 and self.valid.dtype == torch.bool
 
 
 class Linear(nn.Linear):

@@ -32,18 +32,18 @@ def logits_for(ids: list, V: int) -> torch.Tensor:
     return out
 
 
-def random_batch(N=32, K=5, Vd=4, V=6, seed=0, grad=False):
+def random_batch(N=32, k=5, Vd=4, V=6, seed=0, grad=False):
     """A DraftOutput with d2t draft 0 1 2 3 -> target 0 2 3 5 (target 1, 4 out of vocab)."""
     g = torch.Generator().manual_seed(seed)
     d2t = torch.tensor([0, 1, 1, 2])
     t2d = torch.zeros(V, dtype=torch.bool)
     t2d[[0, 2, 3, 5]] = True
-    logits = torch.randn(N, K, Vd, generator=g).requires_grad_(grad)
-    target = torch.randn(N, K, V, generator=g)
+    logits = torch.randn(N, k, Vd, generator=g).requires_grad_(grad)
+    target = torch.randn(N, k, V, generator=g)
     target[..., [0, 2, 3, 5]] += 0.7
-    lengths = torch.randint(0, K + 1, (N,), generator=g)
-    valid = torch.arange(K) < lengths.unsqueeze(-1)
-    out = DraftOutput(logits=logits, hidden=torch.zeros(N, K, 1), target_logits=target, valid=valid)
+    lengths = torch.randint(0, k + 1, (N,), generator=g)
+    valid = torch.arange(k) < lengths.unsqueeze(-1)
+    out = DraftOutput(logits=logits, hidden=torch.zeros(N, k, 1), target_logits=target, valid=valid)
     return out, d2t, t2d
 
 
@@ -60,7 +60,7 @@ def test_fixed_weights():
 
 
 def test_vat_weights_hand():
-    # K = 4, chains: first reject at 1, at 0, none, and at 0 with only 2 valid positions
+    # k = 4, chains: first reject at 1, at 0, none, and at 0 with only 2 valid positions
     draft = logits_for([[1, 0, 3, 4], [0, 2, 3, 4], [1, 2, 3, 4], [0, 2, 3, 4]], 5)
     target = logits_for([[1, 2, 3, 4]] * 4, 5)
     valid = torch.tensor([[True] * 4] * 3 + [[True, True, False, False]])
@@ -227,10 +227,10 @@ def test_fixed_soft_no_head_equals_eagle3_reference():
 
 
 def test_dflash_baseline_is_hard_ce_with_exponential_weights():
-    out, d2t, t2d = random_batch(seed=4, K=3)
+    out, d2t, t2d = random_batch(seed=4, k=3)
     v = simulate_verification(out.logits, out.target_logits, out.valid, d2t=d2t)
     loss, _ = vat_objective(out, v, None, LossConfig(kind="dflash"), schedule="dflash", d2t=d2t, t2d=t2d)
-    # block 4 = K + 1 is not in the reference table: gamma = round(4 / 2.3) = round(1.74) = 2,
+    # block 4 = k + 1 is not in the reference table: gamma = round(4 / 2.3) = round(1.74) = 2,
     # so pos = 0 1 2 -> w = 1 e^-1/2 e^-2/2
     w = [1.0, math.exp(-0.5), math.exp(-1.0)]
     # hard labels by hand: draft 0 1 2 3 <- target 0 2 3 5; target 1 and 4 are out of vocab (no loss)
@@ -260,7 +260,7 @@ def test_reduction_worked_example():
 
 
 def test_ablation_losses_differ_only_in_their_part():
-    out, d2t, t2d = random_batch(seed=5, K=4)
+    out, d2t, t2d = random_batch(seed=5, k=4)
     head = torch.randn(out.valid.shape)
     v = simulate_verification(out.logits, out.target_logits, out.valid, d2t=d2t)
     kw = {"schedule": "dflash", "d2t": d2t, "t2d": t2d}

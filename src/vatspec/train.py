@@ -1,7 +1,7 @@
 """The training loop: one loop for every drafter and every loss.
 
 The loop does no math: per micro-batch it asks the drafter what the target must compute, runs
-the frozen target (online mode, under no_grad), lets the drafter build its K-position chains,
+the frozen target (online mode, under no_grad), lets the drafter build its k-position chains,
 simulates verification (``verify.py``) and hands everything to the objective (``losses.py``).
 Runs unchanged under ``torchrun --nproc_per_node=N`` (DDP: gloo on CPU, NCCL on GPUs).
 
@@ -57,7 +57,7 @@ class TrainModule(nn.Module):
 
     def forward(self, batch, tout, plan: DrafterPlan):
         out = self.drafter.training_forward(batch, tout, **plan.kwargs)
-        head_logits = self.head(out.hidden) if self.head is not None else None  # [..., K]
+        head_logits = self.head(out.hidden) if self.head is not None else None  # [..., k]
         return out, head_logits
 
 

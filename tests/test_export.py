@@ -439,6 +439,12 @@ def test_imports_third_party_variants(target, tmp_path):
     # bf16 weights: within bf16 rounding of the float32 draft, argmax mostly the same
     a, b = d.training_forward(batch, tout).logits, back.training_forward(batch, tout).logits
     assert torch.allclose(a, b, atol=0.15, rtol=0.05)
+    # a transformers 5 config (rope_parameters) reads as its transformers 4 form does (layers.rope_parameters)
+    v5 = {n: v for n, v in cfg.items() if n not in ("rope_theta", "rope_scaling")}
+    v5["rope_parameters"] = {"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5}
+    (lmsys / "config.json").write_text(json.dumps(v5))
+    c = import_draft(lmsys, target).config
+    assert (c.rope_theta, c.rope_scaling) == (5e5, {"rope_type": "linear", "factor": 2.0})
 
     spec = export_draft(d, target, tmp_path / "spec", fmt="speculators")
     w = load_file(spec / "model.safetensors")

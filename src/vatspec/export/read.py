@@ -15,6 +15,7 @@ from torch import Tensor
 from vatspec.drafters.base import AcceptHead
 from vatspec.drafters.dflash import DFlashConfig, DFlashDrafter, default_target_layer_ids
 from vatspec.drafters.eagle3 import DEFAULT_TTT_STEPS, Eagle3Config, Eagle3Drafter, default_layer_ids
+from vatspec.drafters.layers import rope_parameters
 from vatspec.drafters.vocab import check_draft_vocab
 from vatspec.export.formats import (
     CONFIG,
@@ -72,17 +73,6 @@ def _fit(src: str, name: str, have, want) -> None:
         raise ExportError(f"{src}: {name}={have} does not match the target ({want})")
 
 
-def _rope(lc: dict) -> tuple[float, dict | None]:
-    rp = lc.get("rope_parameters")
-    if isinstance(rp, dict) and "rope_theta" in rp:  # transformers 5 layout
-        theta, scaling = float(rp["rope_theta"]), {k: v for k, v in rp.items() if k != "rope_theta"}
-    else:
-        theta, scaling = float(lc.get("rope_theta", 10000.0)), dict(lc.get("rope_scaling") or {})
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    return theta, (None if kind == "default" else {"rope_type": kind, **{k: v for k, v in scaling.items()
-                                                                        if k not in ("type", "rope_type")}})
-
-
 def _eagle3_config(fmt: str, cfg: dict, target, src: str, k: int | None) -> Eagle3Config:
     lc = cfg.get("transformer_layer_config") if fmt == "speculators" else cfg
     if not isinstance(lc, dict):
@@ -122,7 +112,7 @@ def _eagle3_config(fmt: str, cfg: dict, target, src: str, k: int | None) -> Eagl
         methods = (cfg.get("speculators_config") or {}).get("proposal_methods") or [{}]
         k = methods[0].get("speculative_tokens")
     nh = lc["num_attention_heads"]
-    theta, scaling = _rope(lc)
+    theta, scaling = rope_parameters(lc)
     try:
         return Eagle3Config(
             hidden_size=H, target_hidden_size=cfg.get("target_hidden_size") or H, num_heads=nh,
@@ -167,7 +157,7 @@ def _dflash_config(cfg: dict, target, src: str) -> DFlashConfig:
             raise ExportError(f"{src}: dflash_config.mask_token_id is missing and the target's tokenizer "
                               f"has no {mask!r}")
     nh = cfg["num_attention_heads"]
-    theta, scaling = _rope(cfg)
+    theta, scaling = rope_parameters(cfg)
     try:
         return DFlashConfig(
             target_layer_ids=tuple(ids), num_target_layers=NT, target_hidden_size=cfg.get("target_hidden_size") or H,

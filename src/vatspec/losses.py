@@ -321,7 +321,6 @@ def vat_objective(
     head_logits: Tensor | None,
     cfg: LossConfig,
     *,
-    schedule: str,
     d2t: Tensor | None = None,
     t2d: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
@@ -330,16 +329,19 @@ def vat_objective(
     out:         DraftOutput (logits [..., k, Vd], target_logits [..., k, V], valid [..., k]).
     v:           the Verification of ``out`` (labels for the head, first rejection for the weights).
     head_logits: [..., k] accept-head logits, required when the config has the head on.
-    cfg:         a LossConfig; resolved here against ``schedule`` with block_size = k + 1.
-    schedule:    the drafter's schedule, "eagle3" | "dflash".
+    cfg:         a resolved LossConfig (``cfg.resolved``): resolved once for the drafter when the run
+                 config loads (``config.resolve_loss``), or by hand with ``LossConfig.resolve``.
     d2t, t2d:    [Vd] long offsets and [V] bool draft-vocab mask; None = identity vocab.
 
     Returns (loss: scalar with grad, parts: detached scalars). parts has "loss", one entry per
     active term ("soft", "hard": the weighted reduced CE as added; "head": the mean BCE before beta)
     and "weight_mean" (mean weight over supervised positions).
     """
+    assert cfg.resolved, (
+        f"vat_objective needs a resolved LossConfig, got {cfg}: resolve it once for the drafter, "
+        "with config.load_config / config.resolve_loss or LossConfig.resolve(drafter.schedule, block_size=...)"
+    )
     k = out.valid.shape[-1]
-    cfg = cfg.resolve(schedule, block_size=k + 1)
     if v.valid.shape != out.valid.shape:
         raise ValueError(f"Verification valid {tuple(v.valid.shape)} vs DraftOutput valid {tuple(out.valid.shape)}")
     valid = out.valid  # [..., k]

@@ -123,9 +123,7 @@ def arm_step(model, drafter, batch, tout, plan, loss_cfg, generator) -> StepResu
         out.logits, out.target_logits, out.valid,
         mode=loss_cfg.verify, temperature=loss_cfg.temperature, d2t=drafter.d2t, generator=generator,
     )
-    loss, parts = vat_objective(
-        out, ver, head_logits, loss_cfg, schedule=drafter.schedule, d2t=drafter.d2t, t2d=drafter.t2d
-    )
+    loss, parts = vat_objective(out, ver, head_logits, loss_cfg, d2t=drafter.d2t, t2d=drafter.t2d)
     metrics = chain_metrics(out, ver, head_logits, d2t=drafter.d2t)
     return StepResult(loss, parts, metrics)
 

@@ -74,7 +74,7 @@ def test_config_defaults_to_target_and_round_trips(target):
     assert c.intermediate_size == 64 and c.vocab_size == 64 and c.block_size == 8
     assert (c.mask_source, c.mask_token_id) == ("learned", 64)  # no tokenizer: a learned row
     assert DFlashConfig.from_dict(c.to_dict()) == c
-    with pytest.raises(ValueError, match="unknown keys"):
+    with pytest.raises(ValueError, match="DFlashConfig: unknown keys"):
         DFlashConfig.from_dict({**c.to_dict(), "blocksize": 8})
     o = DFlashConfig.from_target(target, mask_token_id=5)
     assert (o.mask_source, o.mask_token_id) == ("override", 5)

@@ -101,6 +101,9 @@ def test_config_from_target(target: Target):
     assert c.intermediate_size == tc.intermediate_size and c.rms_norm_eps == tc.rms_norm_eps
     assert c.rope_theta == 10000.0 and c.rope_scaling is None and c.hidden_act == "silu"
     assert Eagle3Config.from_dict(json.loads(json.dumps(c.to_dict()))) == c
+    assert "k" not in c.to_dict()  # derived from ttt_steps, never saved
+    with pytest.raises(ValueError, match=r"Eagle3Config: unknown keys \['k'\]"):
+        Eagle3Config.from_dict({**c.to_dict(), "k": 3})
     with pytest.raises(ValueError, match="unknown keys"):
         Eagle3Config.from_dict({**c.to_dict(), "draft_vocab": 5})
     with pytest.raises(ValueError, match="too shallow"):

@@ -8,7 +8,9 @@ losses then act on ``[..., k]`` without knowing which drafter made them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -40,6 +42,37 @@ class DraftOutput:
             f"target_logits {tuple(self.target_logits.shape)} vs valid {tuple(lead)}"
         )
         assert k >= 1 and self.valid.dtype == torch.bool
+
+
+def batch_field(batch: Any, name: str, required: bool = True) -> Tensor | None:
+    """``batch[name]`` of a mapping, else ``batch.name`` (a ``Batch``); a missing required field fails."""
+    value = batch.get(name) if isinstance(batch, Mapping) else getattr(batch, name, None)
+    if value is None and required:
+        raise ValueError(f"batch has no {name!r}")
+    return value
+
+
+_C = TypeVar("_C", bound="SavedConfig")
+
+
+class SavedConfig:
+    """``to_dict`` / ``from_dict`` of a drafter's frozen config dataclass, the form every checkpoint
+    saves (``drafter.json``); both drafters' configs inherit them."""
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict (``target_layer_ids`` as a list)."""
+        d = asdict(self)
+        d["target_layer_ids"] = list(self.target_layer_ids)
+        return d
+
+    @classmethod
+    def from_dict(cls: type[_C], d: Mapping[str, Any]) -> _C:
+        """Inverse of ``to_dict``; unknown keys fail loudly."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"{cls.__name__}: unknown keys {unknown} (known: {sorted(known)})")
+        return cls(**dict(d))
 
 
 class Linear(nn.Linear):

@@ -39,14 +39,14 @@ then runs the B block tokens through the layers once.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from vatspec.drafters.base import AcceptHead, DraftOutput, Linear
+from vatspec.drafters.base import AcceptHead, DraftOutput, Linear, SavedConfig, batch_field
 from vatspec.drafters.layers import MLP, RMSNorm, apply_rope, rope_cos_sin, rope_init, rope_parameters
 from vatspec.drafters.sampling import Proposal, sample, warp_logits
 from vatspec.target import Target, TargetOutput
@@ -121,8 +121,9 @@ def _chat_template_ids(tokenizer: Any) -> set[int]:
 
 # ----------------------------------------------------------------------------- config
 @dataclass(frozen=True)
-class DFlashConfig:
-    """Everything needed to rebuild the drafter; sizes default to the target's (``from_target``)."""
+class DFlashConfig(SavedConfig):
+    """Everything needed to rebuild the drafter; sizes default to the target's (``from_target``); saved
+    with every checkpoint (``to_dict``)."""
 
     target_layer_ids: tuple[int, ...]
     num_target_layers: int
@@ -214,19 +215,6 @@ class DFlashConfig:
     def k(self) -> int:
         """Drafted positions per chain (training) and per decode round: the block minus its anchor slot."""
         return self.block_size - 1
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["target_layer_ids"] = list(self.target_layer_ids)
-        return d
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> DFlashConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"DFlashConfig: unknown keys {unknown} (known: {sorted(known)})")
-        return cls(**d)
 
 
 class Anchors(NamedTuple):
@@ -620,13 +608,9 @@ class DFlashSession:
 # ----------------------------------------------------------------------------- helpers
 def _batch_tensors(batch: Any) -> tuple[Tensor, Tensor, Tensor]:
     """(input_ids long, attention_mask bool, loss_mask bool), each ``[B, T]``; attributes or keys."""
-
-    def get(name: str) -> Tensor:
-        return batch[name] if isinstance(batch, Mapping) else getattr(batch, name)
-
-    input_ids = get("input_ids")
+    input_ids = batch_field(batch, "input_ids")
     assert input_ids.dim() == 2, f"batch.input_ids must be [B, T], got {tuple(input_ids.shape)}"
-    attn, loss = get("attention_mask").bool(), get("loss_mask").bool()
+    attn, loss = batch_field(batch, "attention_mask").bool(), batch_field(batch, "loss_mask").bool()
     assert attn.shape == loss.shape == input_ids.shape, "attention_mask / loss_mask must match input_ids [B, T]"
     return input_ids, attn, loss
 

@@ -33,14 +33,14 @@ from __future__ import annotations
 
 import copy
 import warnings
-from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
 from transformers.activations import ACT2FN
 
-from vatspec.drafters.base import AcceptHead, DraftOutput, Linear
+from vatspec.drafters.base import AcceptHead, DraftOutput, Linear, SavedConfig, batch_field
 from vatspec.drafters.layers import (
     MLP,
     ROPE_TYPES,
@@ -90,7 +90,7 @@ def rope_from_config(cfg) -> tuple[float, dict | None]:
 
 
 @dataclass(frozen=True)
-class Eagle3Config:
+class Eagle3Config(SavedConfig):
     """Everything that shapes an EAGLE-3 draft; saved with every checkpoint (``to_dict``)."""
 
     hidden_size: int
@@ -170,21 +170,6 @@ class Eagle3Config:
     def k(self) -> int:
         """Drafted positions per chain (training) and per decode round: the TTT steps."""
         return self.ttt_steps
-
-    def to_dict(self) -> dict:
-        """JSON-ready dict (``target_layer_ids`` as a list)."""
-        d = asdict(self)
-        d["target_layer_ids"] = list(self.target_layer_ids)
-        return d
-
-    @classmethod
-    def from_dict(cls, d: Mapping) -> Eagle3Config:
-        """Inverse of ``to_dict``; unknown keys fail loudly."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"Eagle3Config: unknown keys {unknown} (known: {sorted(known)})")
-        return cls(**dict(d))
 
 
 # ----------------------------------------------------------------------------- layers
@@ -404,11 +389,11 @@ class Eagle3Drafter(nn.Module):
                                         loss_mask true there
         Whether the target's argmax lies in the draft vocabulary is left to the losses (t2d).
         """
-        input_ids = _field(batch, "input_ids")
+        input_ids = batch_field(batch, "input_ids")
         B, T = input_ids.shape
-        attention_mask = _field(batch, "attention_mask", required=False)
+        attention_mask = batch_field(batch, "attention_mask", required=False)
         am = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
-        lm = _field(batch, "loss_mask").bool()
+        lm = batch_field(batch, "loss_mask").bool()
         k = self.config.k
         Tc = T - 2  # chain starts t with a step-0 label x_{t+2}
         if Tc < 1:
@@ -473,13 +458,6 @@ class Eagle3Drafter(nn.Module):
     def new_session(self, head: AcceptHead | None = None, exit_threshold: float | None = None) -> Eagle3Session:
         """An inference session for one sequence (batch size 1). See ``Eagle3Session``."""
         return Eagle3Session(self, head=head, exit_threshold=exit_threshold)
-
-
-def _field(batch, name: str, required: bool = True):
-    value = batch.get(name) if isinstance(batch, Mapping) else getattr(batch, name, None)
-    if value is None and required:
-        raise ValueError(f"batch has no {name!r}")
-    return value
 
 
 # ----------------------------------------------------------------------------- inference

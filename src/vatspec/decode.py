@@ -181,7 +181,7 @@ def generate(
 
     ``drafter=None`` runs the autoregressive baseline through the same loop (k = 0). ``k`` is the number
     of tokens drafted per round (default ``drafter.k``: DFlash fills its block, EAGLE-3 unrolls as many
-    steps as it was trained for); the last rounds draft fewer, and the drafter may return fewer
+    steps as it was trained for); the drafter may return fewer
     (early exit with ``head`` / ``exit_threshold``). Stops after an EOS (``target.eos_token_ids``,
     kept in the output) or after exactly ``max_new_tokens`` tokens: the last rounds draft fewer
     tokens so no round commits past the limit.

@@ -24,6 +24,7 @@ class OracleDrafter:
     and spoils draft ``pattern[r]`` of round r, so round r accepts ``pattern[r]`` tokens."""
 
     target_layer_ids = [0]
+    k = 4  # drafted tokens per round when evaluate / generate get no k
 
     def __init__(self, target, pattern):
         self.target, self.pattern = target, pattern

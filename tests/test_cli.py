@@ -63,6 +63,14 @@ def test_dtype_flags_take_aliases_and_name_the_bad_one(capsys):
     assert "dtype 'fp8' is not one of float32, bfloat16, float16" in capsys.readouterr().err
 
 
+def test_export_takes_k_and_its_speculators_name():
+    parser = argparse.ArgumentParser()
+    command_module("export").configure(parser)
+    for flag in ("--k", "--speculative-tokens"):
+        assert parser.parse_args(["run", "--out", "served", flag, "4"]).k == 4
+    assert parser.parse_args(["run", "--out", "served"]).k is None  # the draft's own k
+
+
 def test_demo_refuses_a_foreign_folder_in_one_line(tmp_path, capsys):
     (tmp_path / "keep.txt").write_text("mine")
     assert main(["demo", "--quick", "--out", str(tmp_path)]) == 1

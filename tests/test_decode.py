@@ -75,11 +75,12 @@ class ScriptedDrafter:
 
     ``reference`` is the whole greedy sequence (prompt + continuation). Each ``extend`` is checked
     against it: tokens must be the reference tokens following the positions, features must equal
-    the target's uncached features there.
+    the target's uncached features there. ``k``: drafted tokens per round when ``generate`` gets none.
     """
 
-    def __init__(self, target: Target, reference: list[int], pattern: list[int], layer_ids=(0, 1)):
+    def __init__(self, target: Target, reference: list[int], pattern: list[int], layer_ids=(0, 1), k: int = 5):
         self.target_layer_ids = list(layer_ids)
+        self.k = k
         self.reference = torch.tensor(reference)
         self.pattern = pattern
         self.vocab = target.vocab_size
@@ -188,12 +189,12 @@ class CacheRecordingTarget(Target):
 def test_tau_bookkeeping_and_cache_rollback():
     base = tiny_target(seed=1)
     target = CacheRecordingTarget(base.model, base.tokenizer)
-    prompt, K = [4, 8, 15, 16], 4
+    prompt, k = [4, 8, 15, 16], 4
     max_new = 1 + (5 + 1 + 3) * 2  # prefill token + two cycles of the pattern below
     ref = hf_greedy(base, prompt, max_new)
     drafter = ScriptedDrafter(target, prompt + ref, pattern=[4, 0, 2])
     target.cache_lens = []
-    res = generate(target, prompt, drafter, k=K, max_new_tokens=max_new)
+    res = generate(target, prompt, drafter, k=k, max_new_tokens=max_new)
     assert res.tokens == ref
     # near the end a round drafts only what can still be committed: round 5 starts with 15 tokens
     # (room for 19 - 15 - 1 = 3 drafts), round 6 with 16 (2 drafts, and the pattern accepts both)
@@ -218,6 +219,20 @@ def test_max_new_tokens_is_never_exceeded():
                        max_new_tokens=max_new)
         assert res.tokens == ref and len(res.tokens) == max_new
     assert generate(target, prompt, None, max_new_tokens=0).tokens == []
+
+
+@pytest.mark.parametrize("name,k", [("eagle3", 3), ("dflash", 4)])  # ttt_steps=3; block_size=5 -> k = 4
+def test_k_defaults_to_the_drafters_own(greedy_setup, name, k):
+    target, refs = greedy_setup
+    drafter = DRAFTERS[name](target, PROMPTS[1] + refs[1])
+    assert drafter.k == drafter.config.k == k
+    res = generate(target, PROMPTS[1], drafter, max_new_tokens=MAX_NEW)
+    assert res.tokens == refs[1]
+    n = 1  # the prefill's token; every round drafts k unless fewer can still be committed
+    for r in res.rounds:
+        assert r.drafted == min(k, MAX_NEW - n - 1)
+        n += r.committed
+    assert res.rounds[0].drafted == k
 
 
 def test_ar_baseline_is_the_same_loop():

@@ -21,7 +21,7 @@ from vatspec.drafters.dflash import (
 )
 from vatspec.target import Target
 
-BLOCK = 4  # K = 3 slots: small enough for hand-checked indices
+BLOCK = 4  # k = 3 slots: small enough for hand-checked indices
 ATOL = 1e-5  # float32: training (masked, many keys) vs session (unmasked, few keys) differ by summation order
 ATOL_REAL = 1e-4  # the same on SmolLM2's 49k-way logits of magnitude ~10-30
 
@@ -74,7 +74,7 @@ def test_config_defaults_to_target_and_round_trips(target):
     assert c.intermediate_size == 64 and c.vocab_size == 64 and c.block_size == 8
     assert (c.mask_source, c.mask_token_id) == ("learned", 64)  # no tokenizer: a learned row
     assert DFlashConfig.from_dict(c.to_dict()) == c
-    with pytest.raises(ValueError, match="unknown keys"):
+    with pytest.raises(ValueError, match="DFlashConfig: unknown keys"):
         DFlashConfig.from_dict({**c.to_dict(), "blocksize": 8})
     o = DFlashConfig.from_target(target, mask_token_id=5)
     assert (o.mask_source, o.mask_token_id) == ("override", 5)
@@ -94,8 +94,9 @@ def test_parameter_names_match_served_format(target):
             p + "mlp.down_proj.weight": (H, c.intermediate_size),
             p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,),
         }
-    assert {k: tuple(v.shape) for k, v in d.state_dict().items()} == want  # no target weights, no buffers
+    assert {name: tuple(v.shape) for name, v in d.state_dict().items()} == want  # no target weights, no buffers
     assert (d.kind, d.schedule, d.d2t, d.t2d, d.block_size, d.hidden_size) == ("dflash", "dflash", None, None, 4, 32)
+    assert d.k == d.config.k == 3  # block 4 = the anchor + 3 drafted slots
     learned = make_drafter(target)
     assert set(learned.state_dict()) == set(want) | {"mask_embedding"}
 
@@ -171,10 +172,10 @@ def test_chain_valid_and_logit_positions_against_loops(target):
     for i in range(2):
         for j in range(3):
             alive = bool(a.valid[i, j])
-            for k in range(1, BLOCK):
-                p = int(a.positions[i, j]) + k
+            for slot in range(1, BLOCK):
+                p = int(a.positions[i, j]) + slot
                 alive = alive and p < 10 and bool(b.loss_mask[i, p]) and bool(b.attention_mask[i, p])
-                assert bool(valid[i, j, k - 1]) == alive, (i, j, k)
+                assert bool(valid[i, j, slot - 1]) == alive, (i, j, slot)
                 if alive:
                     want_at[i, p - 1] = True
     assert torch.equal(at, want_at)
@@ -192,19 +193,19 @@ def test_training_forward_shapes_and_compact_target_logits(target):
     assert compact.logits.shape == (int(at.sum()), 64)
     out = d.training_forward(b, compact, anchors)
     ref = d.training_forward(b, full, anchors)
-    B, A, K = 2, 5, BLOCK - 1
+    B, A, k = 2, 5, BLOCK - 1
     assert isinstance(out, DraftOutput)
-    assert out.logits.shape == (B, A, K, 64) and out.logits.dtype == torch.float32
-    assert out.hidden.shape == (B, A, K, 32) and out.valid.shape == (B, A, K)
+    assert out.logits.shape == (B, A, k, 64) and out.logits.dtype == torch.float32
+    assert out.hidden.shape == (B, A, k, 32) and out.valid.shape == (B, A, k)
     v = out.valid
     torch.testing.assert_close(out.target_logits[v], ref.target_logits[v], rtol=0, atol=0)
     torch.testing.assert_close(out.logits, ref.logits)
-    # target_logits[b, j, k-1] = the target's logits at anchor + k - 1 (predicting anchor + k), at
-    # every valid slot: tensor index k (slot k + 1) reads position anchor + k
+    # target_logits[b, a, s-1] = the target's logits at anchor + s - 1 (predicting anchor + s), at
+    # every valid slot s: tensor index i (slot i + 1) reads position anchor + i
     assert v.sum() > B  # more than one slot per sequence is checked
-    for i, j, k in v.nonzero().tolist():
-        p = int(anchors.positions[i, j]) + k
-        torch.testing.assert_close(ref.target_logits[i, j, k], full.logits[i, p], rtol=0, atol=0)
+    for row, anchor, i in v.nonzero().tolist():
+        p = int(anchors.positions[row, anchor]) + i
+        torch.testing.assert_close(ref.target_logits[row, anchor, i], full.logits[row, p], rtol=0, atol=0)
     # hidden is what the logits read: the final-normed state
     torch.testing.assert_close(out.logits, d.compute_logits(out.hidden))
 
@@ -233,7 +234,7 @@ def test_block_sees_only_its_anchor_and_earlier_context(target):
     def run(ids=None, f=None, a=anchors):
         batch = SimpleNamespace(**{**vars(b), "input_ids": b.input_ids if ids is None else ids})
         tout = SimpleNamespace(features=feats if f is None else f, logits=logits)
-        return d.training_forward(batch, tout, a).logits[0]  # [A, K, V]
+        return d.training_forward(batch, tout, a).logits[0]  # [A, k, V]
 
     base = run()
     for j, a in enumerate(anchors.positions[0].tolist()):

@@ -14,6 +14,7 @@ from torch import Tensor
 from tests.conftest import tiny_llama
 from vatspec.drafters.base import AcceptHead
 from vatspec.drafters.eagle3 import (
+    DEFAULT_TTT_STEPS,
     Eagle3Config,
     Eagle3Drafter,
     Eagle3Session,
@@ -30,7 +31,7 @@ ATOL = 1e-5
 # a perturbation that must not reach a logit leaves it bit-identical (masked keys get exactly 0
 # weight); one that must reach it moves it far more than float32 noise
 SAME, MOVED = 1e-6, 1e-5
-V, VD, K, T = 96, 48, 4, 16  # target vocab, draft vocab, TTT steps, sequence length
+V, VD, k, T = 96, 48, 4, 16  # target vocab, draft vocab, k = TTT steps, sequence length
 TK = T - 2  # chain starts kept by training_forward: every t whose step-0 label x_{t+2} exists
 
 SERVED = {
@@ -59,7 +60,7 @@ def target() -> Target:
 
 def make_drafter(target: Target, seed: int = 0) -> Eagle3Drafter:
     torch.manual_seed(seed)
-    d = Eagle3Drafter.from_target(target, draft_vocab_size=VD, ttt_steps=K)
+    d = Eagle3Drafter.from_target(target, draft_vocab_size=VD, ttt_steps=k)
     counts = torch.randint(0, 50, (V,), generator=torch.Generator().manual_seed(seed))
     d.set_vocab(*build_draft_vocab(counts, VD))  # a non-identity d2t
     with torch.no_grad():  # non-unit norms, so a swapped or missing norm shows
@@ -93,13 +94,16 @@ def test_config_from_target(target: Target):
     c = Eagle3Config.from_target(target, draft_vocab_size=10_000)
     assert c.target_layer_ids == (1, 3, 4)  # 8 layers: 1, L//2 - 1, L - 4
     assert c.draft_vocab_size == V  # capped by the target vocabulary
-    assert c.ttt_steps == 7
+    assert c.ttt_steps == c.k == DEFAULT_TTT_STEPS == 7  # the reference unroll
     tc = target.config
     assert (c.num_heads, c.num_kv_heads, c.head_dim) == (4, 2, 8)
     assert (c.hidden_size, c.target_hidden_size, c.vocab_size) == (32, 32, V)
     assert c.intermediate_size == tc.intermediate_size and c.rms_norm_eps == tc.rms_norm_eps
     assert c.rope_theta == 10000.0 and c.rope_scaling is None and c.hidden_act == "silu"
     assert Eagle3Config.from_dict(json.loads(json.dumps(c.to_dict()))) == c
+    assert "k" not in c.to_dict()  # derived from ttt_steps, never saved
+    with pytest.raises(ValueError, match=r"Eagle3Config: unknown keys \['k'\]"):
+        Eagle3Config.from_dict({**c.to_dict(), "k": 3})
     with pytest.raises(ValueError, match="unknown keys"):
         Eagle3Config.from_dict({**c.to_dict(), "draft_vocab": 5})
     with pytest.raises(ValueError, match="too shallow"):
@@ -192,22 +196,23 @@ def test_rope_matches_transformers(scaling):
 def test_training_forward_shapes_views_and_hidden(drafter: Eagle3Drafter, target: Target):
     out, tout = run(drafter, target, make_batch())
     H = drafter.hidden_size
-    assert out.logits.shape == (2, TK, K, VD) and out.hidden.shape == (2, TK, K, H)
-    assert out.target_logits.shape == (2, TK, K, V) and out.valid.shape == (2, TK, K)
+    assert drafter.k == drafter.config.k == k  # chains of k = ttt_steps positions
+    assert out.logits.shape == (2, TK, k, VD) and out.hidden.shape == (2, TK, k, H)
+    assert out.target_logits.shape == (2, TK, k, V) and out.valid.shape == (2, TK, k)
     # [b, t, i] = logits[b, t + 1 + i] wherever that row exists (later rows are padding, never valid)
     for t in range(TK):
-        for i in range(K):
+        for i in range(k):
             if t + 1 + i < T:
                 assert torch.equal(out.target_logits[:, t, i], tout.logits[:, t + 1 + i])
-    # a view of at most one padded copy of the logits' T + K - 3 rows, never a [B, T', K, V] gather
-    rows = 2 * (T + K - 3) * V * tout.logits.element_size()
+    # a view of at most one padded copy of the logits' T + k - 3 rows, never a [B, T', k, V] gather
+    rows = 2 * (T + k - 3) * V * tout.logits.element_size()
     assert out.target_logits.untyped_storage().nbytes() <= rows
     # hidden is the post-norm state the lm_head reads
     assert torch.allclose(drafter.lm_head(out.hidden), out.logits, atol=ATOL)
     # all supervised: step i of chain t is valid iff its label position t + 2 + i is inside the sequence
-    want = torch.zeros(2, TK, K, dtype=torch.bool)
+    want = torch.zeros(2, TK, k, dtype=torch.bool)
     for t in range(TK):
-        for i in range(K):
+        for i in range(k):
             want[:, t, i] = t + 2 + i < T
     assert torch.equal(out.valid, want)
     assert out.valid[:, :, 0].all()  # every chain start, the last one (t = T - 3, label T - 1) included
@@ -246,7 +251,7 @@ def test_valid_is_the_prefix_of_supervised_labels(drafter: Eagle3Drafter, target
     out, _ = run(drafter, target, batch)
     for b in range(2):
         for t in range(TK):
-            for i in range(K):
+            for i in range(k):
                 ok = bool(am[b, t] and am[b, t + 1])
                 for j in range(i + 1):  # step j predicts the token at t + 2 + j
                     s = t + 2 + j
@@ -260,20 +265,20 @@ def test_batch_may_be_an_object_and_bad_input_fails(drafter: Eagle3Drafter, targ
     out2 = drafter.training_forward(SimpleNamespace(**batch), tout)
     assert torch.equal(out.logits, out2.logits)
     with pytest.raises(ValueError, match="loss_mask"):
-        drafter.training_forward({k: v for k, v in batch.items() if k != "loss_mask"}, tout)
+        drafter.training_forward({name: v for name, v in batch.items() if name != "loss_mask"}, tout)
     with pytest.raises(ValueError, match="at least 3"):
-        short = {k: v[:, :2] for k, v in batch.items()}
+        short = {name: v[:, :2] for name, v in batch.items()}
         drafter.training_forward(short, TargetOutput(tout.logits[:, :2], tout.hidden, tout.features[:, :2]))
     # shorter than the unroll is fine: 3 tokens give one chain whose step 0 alone has a label
-    short = {k: v[:, :3] for k, v in batch.items()}
+    short = {name: v[:, :3] for name, v in batch.items()}
     out3 = drafter.training_forward(short, TargetOutput(tout.logits[:, :3], tout.hidden, tout.features[:, :3]))
-    assert out3.valid.shape == (2, 1, K) and out3.valid[:, 0].tolist() == [[True] + [False] * (K - 1)] * 2
+    assert out3.valid.shape == (2, 1, k) and out3.valid[:, 0].tolist() == [[True] + [False] * (k - 1)] * 2
     with pytest.raises(ValueError, match="features"):
         drafter.training_forward(batch, TargetOutput(tout.logits, tout.hidden, tout.features[..., :-1]))
 
 
 def _moved(rows: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
-    """rows [R, T', K, Vd] vs base [T', K, Vd] -> max |difference| per [R, T', K]."""
+    """rows [R, T', k, Vd] vs base [T', k, Vd] -> max |difference| per [R, T', k]."""
     return (rows - base).abs().amax(-1)
 
 
@@ -292,34 +297,34 @@ def test_step_logits_read_only_allowed_tokens_and_features(drafter: Eagle3Drafte
     out, tout = run(drafter, target, batch)
     base = out.logits[0]
     t = torch.arange(TK)[:, None]  # [T', 1]
-    i = torch.arange(K)[None, :]  # [1, K]
+    i = torch.arange(k)[None, :]  # [1, k]
     R = T  # one row per perturbed position s = 0..T-1
-    rows = {k: v.expand(R, -1).clone() for k, v in batch.items()}
+    rows = {name: v.expand(R, -1).clone() for name, v in batch.items()}
     # tokens: row s replaces x_s (features kept, so only the token path changes)
     s = torch.arange(R)
     rows["input_ids"][s, s] = 3 + (rows["input_ids"][s, s] - 3 + 1) % (V - 3)
     feats = tout.features.expand(R, -1, -1)
     by_token = drafter.training_forward(rows, TargetOutput(tout.logits.expand(R, -1, -1), None, feats))
-    allowed = (s[:, None, None] >= 1) & (s[:, None, None] <= t + 1 + i)  # [R, T', K]
+    allowed = (s[:, None, None] >= 1) & (s[:, None, None] <= t + 1 + i)  # [R, T', k]
     _check_dependence(_moved(by_token.logits, base), allowed)
     # features: row s moves f_s
     g = torch.Generator().manual_seed(1)
     feats = feats.clone()
     feats[s, s] += torch.randn(R, feats.shape[-1], generator=g)
-    rows = {k: v.expand(R, -1) for k, v in batch.items()}
+    rows = {name: v.expand(R, -1) for name, v in batch.items()}
     by_feat = drafter.training_forward(rows, TargetOutput(tout.logits.expand(R, -1, -1), None, feats))
-    allowed = (s[:, None, None] <= t).expand(R, TK, K)
+    allowed = (s[:, None, None] <= t).expand(R, TK, k)
     _check_dependence(_moved(by_feat.logits, base), allowed)
 
 
-@pytest.mark.parametrize("step", list(range(K)))
+@pytest.mark.parametrize("step", list(range(k)))
 def test_attention_pattern_diagonal_keys(drafter: Eagle3Drafter, target: Target, step: int):
     """Row r moves the step-`step` key at index r (a k_proj hook). Step-0 keys are seen by every
     later index (causal); a step-j key (j >= 1) only by its own index at steps >= j."""
     batch = make_batch(B=1)
     out, tout = run(drafter, target, batch)
     R = TK
-    rows = {k: v.expand(R, -1) for k, v in batch.items()}
+    rows = {name: v.expand(R, -1) for name, v in batch.items()}
     tout_r = TargetOutput(tout.logits.expand(R, -1, -1), None, tout.features.expand(R, -1, -1))
     kv = drafter.config.num_kv_heads * drafter.config.head_dim
     noise = torch.zeros(R, TK, kv)
@@ -336,13 +341,13 @@ def test_attention_pattern_diagonal_keys(drafter: Eagle3Drafter, target: Target,
         moved = drafter.training_forward(rows, tout_r)
     finally:
         handle.remove()
-    assert len(calls) == K  # one k_proj call per step
+    assert len(calls) == k  # one k_proj call per step
     t = torch.arange(TK)[None, :, None]
-    i = torch.arange(K)[None, None, :]
+    i = torch.arange(k)[None, None, :]
     rr = r[:, None, None]
     allowed = (rr <= t) if step == 0 else ((rr == t) & (i >= step))
-    only_key = (t + i == 0).expand(R, TK, K)  # query (0, 0) sees one key: its score cannot matter
-    _check_dependence(_moved(moved.logits, out.logits[0]), allowed.expand(R, TK, K), only_key)
+    only_key = (t + i == 0).expand(R, TK, k)  # query (0, 0) sees one key: its score cannot matter
+    _check_dependence(_moved(moved.logits, out.logits[0]), allowed.expand(R, TK, k), only_key)
 
 
 def test_gradients_reach_the_draft_not_the_embedding(target: Target):
@@ -373,7 +378,7 @@ def teacher_forced(s: Eagle3Session, tokens: Tensor) -> Tensor:
 def test_session_equals_training_unroll(drafter: Eagle3Drafter, target: Target):
     """Context ending at t, then the chain fed x_{t+2}.. (teacher forcing): step i of the session
     must give training_forward's logits[t, i] (its 'diagonal' keys are the session's own drafts).
-    The tail chains (t + K >= T) are checked on the steps whose inputs exist: the padding the
+    The tail chains (t + k >= T) are checked on the steps whose inputs exist: the padding the
     unroll reads past the sequence end must not reach them."""
     batch = make_batch(B=1)
     out, tout = run(drafter, target, batch)
@@ -381,9 +386,9 @@ def test_session_equals_training_unroll(drafter: Eagle3Drafter, target: Target):
     for t in range(TK):
         s = drafter.new_session()
         s.extend(f[: t + 1], ids[1 : t + 2])  # tokens[j] follows position j
-        got = teacher_forced(s, ids[t + 2 : t + K + 1])  # [min(K, T - 1 - t), Vd]
+        got = teacher_forced(s, ids[t + 2 : t + k + 1])  # [min(k, T - 1 - t), Vd]
         n = got.shape[0]
-        assert n == min(K, T - 1 - t)
+        assert n == min(k, T - 1 - t)
         assert torch.allclose(got, out.logits[0, t, :n], atol=ATOL), t
 
 
@@ -399,7 +404,7 @@ def test_session_incremental_extend_drops_speculative_keys(drafter: Eagle3Drafte
     teacher_forced(s, ids[:2])
     s.extend(f[4:9], ids[5:10])
     assert s.committed == 9
-    assert torch.allclose(teacher_forced(s, ids[10 : 9 + K]), out.logits[0, 8], atol=ATOL)
+    assert torch.allclose(teacher_forced(s, ids[10 : 9 + k]), out.logits[0, 8], atol=ATOL)
 
 
 def test_session_cache_grows_past_its_capacity(drafter: Eagle3Drafter, target: Target):
@@ -410,7 +415,7 @@ def test_session_cache_grows_past_its_capacity(drafter: Eagle3Drafter, target: T
     s = drafter.new_session()
     for a, b in [(0, 100), (100, 200), (200, 261)]:
         s.extend(f[a:b], ids[a + 1 : b + 1])
-    assert torch.allclose(teacher_forced(s, ids[262 : 261 + K]), out.logits[0, 260], atol=ATOL)
+    assert torch.allclose(teacher_forced(s, ids[262 : 261 + k]), out.logits[0, 260], atol=ATOL)
 
 
 def test_greedy_propose_is_the_training_argmax_chain(drafter: Eagle3Drafter, target: Target):
@@ -424,11 +429,11 @@ def test_greedy_propose_is_the_training_argmax_chain(drafter: Eagle3Drafter, tar
     t = 6
     s = drafter.new_session(head=head)
     s.extend(f[: t + 1], ids[1 : t + 2])
-    p = s.propose(K)
-    assert p.tokens.shape == (K,) and p.q is None and p.head_probs.shape == (K,)
+    p = s.propose(k)
+    assert p.tokens.shape == (k,) and p.q is None and p.head_probs.shape == (k,)
     assert drafter.t2d[p.tokens].all()
-    fed = {k: v.clone() for k, v in batch.items()}
-    fed["input_ids"][0, t + 2 : t + 1 + K] = p.tokens[:-1]
+    fed = {name: v.clone() for name, v in batch.items()}
+    fed["input_ids"][0, t + 2 : t + 1 + k] = p.tokens[:-1]
     out, _ = run(drafter, target, fed)  # features at <= t do not depend on later tokens
     assert torch.equal(target_ids(drafter.d2t)[out.logits[0, t].argmax(-1)], p.tokens)
     assert torch.allclose(torch.sigmoid(head(out.hidden[0, t])), p.head_probs, atol=ATOL)
@@ -440,19 +445,19 @@ def test_sampled_propose_q(drafter: Eagle3Drafter, target: Target):
     s = drafter.new_session()
     s.extend(tout.features[0, :8], batch["input_ids"][0, 1:9])
     kw = {"temperature": 0.8, "top_k": 10, "top_p": 0.9}
-    p = s.propose(K, **kw, generator=torch.Generator().manual_seed(0))
-    assert p.q.shape == (K, V) and p.tokens.shape == (K,)
-    assert torch.allclose(p.q.sum(-1), torch.ones(K), atol=ATOL)
+    p = s.propose(k, **kw, generator=torch.Generator().manual_seed(0))
+    assert p.q.shape == (k, V) and p.tokens.shape == (k,)
+    assert torch.allclose(p.q.sum(-1), torch.ones(k), atol=ATOL)
     assert (p.q[:, ~drafter.t2d] == 0).all()  # mass only at draft-vocabulary ids
     assert (p.q.gather(1, p.tokens[:, None]) > 0).all()
     assert ((p.q > 0).sum(-1) <= 10).all()  # top-k
     # row j is the warped draft distribution of step j, given the sampled tokens before it
-    lg = teacher_forced(s, p.tokens[:-1])  # [K, Vd]
+    lg = teacher_forced(s, p.tokens[:-1])  # [k, Vd]
     assert torch.allclose(p.q[:, target_ids(drafter.d2t)], warp_logits(lg, **kw), atol=ATOL)
-    again = s.propose(K, **kw, generator=torch.Generator().manual_seed(0))
+    again = s.propose(k, **kw, generator=torch.Generator().manual_seed(0))
     assert torch.equal(again.tokens, p.tokens)
-    greedy = s.propose(K)
-    assert torch.equal(s.propose(K, temperature=1.0, top_k=1).tokens, greedy.tokens)
+    greedy = s.propose(k)
+    assert torch.equal(s.propose(k, temperature=1.0, top_k=1).tokens, greedy.tokens)
 
 
 def test_early_exit_on_head_probability(drafter: Eagle3Drafter, target: Target):
@@ -464,13 +469,13 @@ def test_early_exit_on_head_probability(drafter: Eagle3Drafter, target: Target):
     torch.nn.init.normal_(head.proj.weight, std=1.0)
     full = drafter.new_session(head=head)
     full.extend(f, ids)
-    ref = full.propose(K)
+    ref = full.propose(k)
     probs = ref.head_probs.tolist()
     for thr in sorted(probs) + [0.0, 1.1]:
         s = drafter.new_session(head=head, exit_threshold=thr)
         s.extend(f, ids)
-        p = s.propose(K)
-        cut = next((j for j, x in enumerate(probs) if x < thr), K)  # first position below: dropped
+        p = s.propose(k)
+        cut = next((j for j, x in enumerate(probs) if x < thr), k)  # first position below: dropped
         assert len(p) == cut, (thr, probs)
         assert torch.equal(p.tokens, ref.tokens[:cut]) and torch.allclose(p.head_probs, ref.head_probs[:cut])
     with pytest.raises(ValueError, match="head"):

@@ -37,7 +37,7 @@ from vatspec.export import (
 from vatspec.target import Target, open_target
 
 V, H, L, T = 96, 32, 8, 20  # tiny target: vocab, hidden, layers; batch length
-VD, K, BLOCK = 40, 3, 4  # EAGLE-3 draft vocab, TTT steps; DFlash block
+VD, k, BLOCK = 40, 3, 4  # EAGLE-3 draft vocab, its k (TTT steps); DFlash block
 FORMATS = ["eagle3-hf", "speculators", "dflash"]
 
 # ----------------------------------------------------------------------------- the formats, as documented
@@ -90,7 +90,7 @@ def dflash_weights(layers: int, n_ids: int, H: int, I: int, nh: int, nkv: int, h
 def read_export(out: Path) -> tuple[dict, dict]:
     cfg = json.loads((out / "config.json").read_text())
     with safe_open(str(out / "model.safetensors"), framework="pt") as f:
-        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
+        shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
     return cfg, shapes
 
 
@@ -116,7 +116,7 @@ def randomize(module: torch.nn.Module, seed: int) -> None:
 
 def make_drafter(kind: str, target: Target, seed: int = 0):
     if kind == "eagle3":
-        d = Eagle3Drafter.from_target(target, draft_vocab_size=VD, ttt_steps=K)
+        d = Eagle3Drafter.from_target(target, draft_vocab_size=VD, ttt_steps=k)
         counts = torch.randint(0, 50, (target.vocab_size,), generator=torch.Generator().manual_seed(seed))
         d.set_vocab(*build_draft_vocab(counts, VD))  # a non-identity d2t
     else:
@@ -149,10 +149,10 @@ def test_round_trip_gives_identical_logits_proposals_and_tokens(target, tmp_path
     out = export_draft(d, target, tmp_path / "served", fmt=fmt, head=head, exit_threshold=0.25)
     assert validate_export(out, target) == fmt
     # the HF EAGLE-3 format does not record the TTT length (a training setting): pass it back
-    back, head2 = open_draft(out, target, ttt_steps=K if fmt == "eagle3-hf" else None)
+    back, head2 = open_draft(out, target, k=k if fmt == "eagle3-hf" else None)
     assert type(back) is type(d) and back.config == d.config
     sd, sd2 = d.state_dict(), back.state_dict()
-    assert sd.keys() == sd2.keys() and all(torch.equal(sd[k], sd2[k]) for k in sd)
+    assert sd.keys() == sd2.keys() and all(torch.equal(sd[name], sd2[name]) for name in sd)
     assert torch.equal(head2.proj.weight, head.proj.weight) and load_accept_head(out)[1] == 0.25
 
     # 1. training forward: the same logits and accept-head inputs
@@ -228,12 +228,16 @@ def test_exported_key_sets_and_fields_are_the_formats(smol_tokenizer_target, tmp
         ("llama", 1, Vt, False)
     sc = cfg["speculators_config"]
     assert sc == {"algorithm": "eagle3", "default_proposal_method": "greedy",
-                  "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": K, "verifier_accept_k": 1,
+                  "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": k, "verifier_accept_k": 1,
                                         "accept_tolerance": 0.0}],
                   "verifier": {"name_or_path": t.path, "architectures": ["LlamaForCausalLM"]}}
     with safe_open(str(tmp_path / "spec" / "model.safetensors"), framework="pt") as f:
-        dtypes = {k: f.get_slice(k).get_dtype() for k in f.keys()}  # noqa: SIM118
+        dtypes = {name: f.get_slice(name).get_dtype() for name in f.keys()}  # noqa: SIM118
     assert dtypes.pop("d2t") == "I64" and dtypes.pop("t2d") == "BOOL" and set(dtypes.values()) == {"BF16"}
+    # k drafted tokens per round other than the draft's own: written as speculative_tokens, read back as k
+    cfg, _ = read_export(export_draft(e3, t, tmp_path / "spec5", fmt="speculators", k=5))
+    assert cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 5
+    assert e3.k == k and open_draft(tmp_path / "spec5", t)[0].k == 5
 
     df = DFlashDrafter(DFlashConfig.from_target(t, num_layers=2, block_size=BLOCK))
     df.attach_target(t)
@@ -380,10 +384,10 @@ def test_open_draft_takes_any_draft_and_raises_only_checkpoint_errors(target, tm
     ckpt = save_checkpoint(tmp_path / "run", 3, drafter=d, head=head, config_yaml="{}\n")
     served = export_draft(d, target, tmp_path / "served", head=head)
     for path in (tmp_path / "run", ckpt, served):
-        back, h = open_draft(path, target, ttt_steps=K)
+        back, h = open_draft(path, target, k=k)
         assert torch.equal(back.lm_head.weight, d.lm_head.weight) and torch.equal(h.proj.weight, head.proj.weight)
-        assert back.config.ttt_steps == K and not back.training
-    assert open_draft(ckpt, target, ttt_steps=5)[0].config.ttt_steps == 5  # the run's own unroll length
+        assert back.k == back.config.ttt_steps == k and not back.training
+    assert open_draft(ckpt, target, k=5)[0].k == 5  # the run's own unroll length
 
     other = Target(tiny_llama(vocab_size=64, hidden_size=H, layers=L), tokenizer=None)
     (tmp_path / "empty").mkdir()
@@ -423,18 +427,24 @@ def test_imports_third_party_variants(target, tmp_path):
     lmsys = tmp_path / "lmsys"
     lmsys.mkdir()
     cfg = json.loads((ours / "config.json").read_text())
-    for k in ("eagle_aux_hidden_state_layer_ids", "norm_before_residual", "torch_dtype", "head_dim", "mlp_bias"):
-        del cfg[k]
+    for name in ("eagle_aux_hidden_state_layer_ids", "norm_before_residual", "torch_dtype", "head_dim", "mlp_bias"):
+        del cfg[name]
     (lmsys / "config.json").write_text(json.dumps(cfg))
-    bf16 = {k: v.bfloat16() if v.is_floating_point() else v for k, v in load_file(ours / "model.safetensors").items()}
+    bf16 = {n: v.bfloat16() if v.is_floating_point() else v for n, v in load_file(ours / "model.safetensors").items()}
     torch.save(bf16, lmsys / "pytorch_model.bin")
-    back = import_draft(lmsys, target, ttt_steps=K)
+    back = import_draft(lmsys, target, k=k)
     assert back.target_layer_ids == d.target_layer_ids and torch.equal(back.d2t, d.d2t)
     batch = make_batch()
     tout = target(batch["input_ids"], batch["attention_mask"], d.target_layer_ids)
     # bf16 weights: within bf16 rounding of the float32 draft, argmax mostly the same
     a, b = d.training_forward(batch, tout).logits, back.training_forward(batch, tout).logits
     assert torch.allclose(a, b, atol=0.15, rtol=0.05)
+    # a transformers 5 config (rope_parameters) reads as its transformers 4 form does (layers.rope_parameters)
+    v5 = {n: v for n, v in cfg.items() if n not in ("rope_theta", "rope_scaling")}
+    v5["rope_parameters"] = {"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5}
+    (lmsys / "config.json").write_text(json.dumps(v5))
+    c = import_draft(lmsys, target).config
+    assert (c.rope_theta, c.rope_scaling) == (5e5, {"rope_type": "linear", "factor": 2.0})
 
     spec = export_draft(d, target, tmp_path / "spec", fmt="speculators")
     w = load_file(spec / "model.safetensors")
@@ -479,7 +489,8 @@ def test_cli_exports_a_trained_run_and_train_can_start_from_it(smol_tokenizer_ta
     # the target comes from the checkpoint's config.yaml; the format from the drafter kind
     assert main(["export", str(runs["eagle3"]), "--out", str(tmp_path / "e3"), "--exit-threshold", "0.3"]) == 0
     assert main(["export", str(runs["eagle3"]), "--format", "speculators", "--out", str(tmp_path / "sp"),
-                 "--verifier", "HuggingFaceTB/SmolLM2-135M-Instruct", "--dtype", "bfloat16"]) == 0
+                 "--verifier", "HuggingFaceTB/SmolLM2-135M-Instruct", "--dtype", "bfloat16",
+                 "--speculative-tokens", "3"]) == 0  # the speculators name of --k
     assert main(["export", str(runs["dflash"]), "--out", str(tmp_path / "df"), "--target", str(t.path)]) == 0
     assert main(["export", str(runs["eagle3"]), "--out", str(tmp_path / "e3")]) == 2  # exists, no --force
     assert main(["export", str(runs["eagle3"]), "--format", "dflash", "--out", str(tmp_path / "no")]) == 2
@@ -487,14 +498,15 @@ def test_cli_exports_a_trained_run_and_train_can_start_from_it(smol_tokenizer_ta
     assert load_accept_head(tmp_path / "e3")[1] == 0.3
     sp = json.loads((tmp_path / "sp" / "config.json").read_text())
     assert sp["speculators_config"]["verifier"]["name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert sp["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
 
     for run_dir, served in ((runs["eagle3"], "e3"), (runs["eagle3"], "sp"), (runs["dflash"], "df")):
         d, h = open_draft(run_dir, t)
-        d2, h2 = open_draft(tmp_path / served, t, ttt_steps=2)
+        d2, h2 = open_draft(tmp_path / served, t, k=2)
         sd, sd2 = d.state_dict(), d2.state_dict()
         if served == "sp":  # that export was bfloat16: compare with the rounded float32 weights
-            sd = {k: v.bfloat16().float() if v.is_floating_point() else v for k, v in sd.items()}
-        assert sd.keys() == sd2.keys() and all(torch.equal(sd[k], sd2[k]) for k in sd)
+            sd = {name: v.bfloat16().float() if v.is_floating_point() else v for name, v in sd.items()}
+        assert sd.keys() == sd2.keys() and all(torch.equal(sd[name], sd2[name]) for name in sd)
         assert torch.equal(h.proj.weight, h2.proj.weight)  # the head is always saved in float32
 
     # what `vatspec train --init-from EXPORT loss.kind=vat` runs: fine-tune the imported draft

@@ -32,18 +32,18 @@ def logits_for(ids: list, V: int) -> torch.Tensor:
     return out
 
 
-def random_batch(N=32, K=5, Vd=4, V=6, seed=0, grad=False):
+def random_batch(N=32, k=5, Vd=4, V=6, seed=0, grad=False):
     """A DraftOutput with d2t draft 0 1 2 3 -> target 0 2 3 5 (target 1, 4 out of vocab)."""
     g = torch.Generator().manual_seed(seed)
     d2t = torch.tensor([0, 1, 1, 2])
     t2d = torch.zeros(V, dtype=torch.bool)
     t2d[[0, 2, 3, 5]] = True
-    logits = torch.randn(N, K, Vd, generator=g).requires_grad_(grad)
-    target = torch.randn(N, K, V, generator=g)
+    logits = torch.randn(N, k, Vd, generator=g).requires_grad_(grad)
+    target = torch.randn(N, k, V, generator=g)
     target[..., [0, 2, 3, 5]] += 0.7
-    lengths = torch.randint(0, K + 1, (N,), generator=g)
-    valid = torch.arange(K) < lengths.unsqueeze(-1)
-    out = DraftOutput(logits=logits, hidden=torch.zeros(N, K, 1), target_logits=target, valid=valid)
+    lengths = torch.randint(0, k + 1, (N,), generator=g)
+    valid = torch.arange(k) < lengths.unsqueeze(-1)
+    out = DraftOutput(logits=logits, hidden=torch.zeros(N, k, 1), target_logits=target, valid=valid)
     return out, d2t, t2d
 
 
@@ -60,7 +60,7 @@ def test_fixed_weights():
 
 
 def test_vat_weights_hand():
-    # K = 4, chains: first reject at 1, at 0, none, and at 0 with only 2 valid positions
+    # k = 4, chains: first reject at 1, at 0, none, and at 0 with only 2 valid positions
     draft = logits_for([[1, 0, 3, 4], [0, 2, 3, 4], [1, 2, 3, 4], [0, 2, 3, 4]], 5)
     target = logits_for([[1, 2, 3, 4]] * 4, 5)
     valid = torch.tensor([[True] * 4] * 3 + [[True, True, False, False]])
@@ -219,18 +219,20 @@ def test_fixed_soft_no_head_equals_eagle3_reference():
     out, d2t, t2d = random_batch(seed=3)
     v = simulate_verification(out.logits, out.target_logits, out.valid, d2t=d2t)
     cfg = LossConfig(kind="vat", weights="fixed", soft=True, hard=False, head=False, curve="eagle3")
-    loss, parts = vat_objective(out, v, None, cfg, schedule="eagle3", d2t=d2t, t2d=t2d)
+    assert cfg.resolved  # every field set by hand: nothing for resolve to fill
+    loss, parts = vat_objective(out, v, None, cfg, d2t=d2t, t2d=t2d)
     torch.testing.assert_close(loss, eagle3_reference(out, d2t, t2d), atol=EXACT, rtol=0)
-    eagle3, _ = vat_objective(out, v, None, LossConfig(kind="eagle3"), schedule="eagle3", d2t=d2t, t2d=t2d)
+    eagle3, _ = vat_objective(out, v, None, LossConfig(kind="eagle3").resolve("eagle3"), d2t=d2t, t2d=t2d)
     torch.testing.assert_close(eagle3, loss)
     assert set(parts) == {"loss", "soft", "weight_mean"}
 
 
 def test_dflash_baseline_is_hard_ce_with_exponential_weights():
-    out, d2t, t2d = random_batch(seed=4, K=3)
+    out, d2t, t2d = random_batch(seed=4, k=3)
     v = simulate_verification(out.logits, out.target_logits, out.valid, d2t=d2t)
-    loss, _ = vat_objective(out, v, None, LossConfig(kind="dflash"), schedule="dflash", d2t=d2t, t2d=t2d)
-    # block 4 = K + 1 is not in the reference table: gamma = round(4 / 2.3) = round(1.74) = 2,
+    cfg = LossConfig(kind="dflash").resolve("dflash", block_size=4)
+    loss, _ = vat_objective(out, v, None, cfg, d2t=d2t, t2d=t2d)
+    # block 4 = k + 1 is not in the reference table: gamma = round(4 / 2.3) = round(1.74) = 2,
     # so pos = 0 1 2 -> w = 1 e^-1/2 e^-2/2
     w = [1.0, math.exp(-0.5), math.exp(-1.0)]
     # hard labels by hand: draft 0 1 2 3 <- target 0 2 3 5; target 1 and 4 are out of vocab (no loss)
@@ -260,14 +262,18 @@ def test_reduction_worked_example():
 
 
 def test_ablation_losses_differ_only_in_their_part():
-    out, d2t, t2d = random_batch(seed=5, K=4)
+    out, d2t, t2d = random_batch(seed=5, k=4)
     head = torch.randn(out.valid.shape)
     v = simulate_verification(out.logits, out.target_logits, out.valid, d2t=d2t)
-    kw = {"schedule": "dflash", "d2t": d2t, "t2d": t2d}
-    base, pb = vat_objective(out, v, head, LossConfig(kind="dflash"), **kw)
-    h, ph = vat_objective(out, v, head, LossConfig.ablation("dflash", "head"), **kw)
-    a, pa = vat_objective(out, v, head, LossConfig.ablation("dflash", "adaptive"), **kw)
-    lab, pl = vat_objective(out, v, head, LossConfig.ablation("dflash", "labels"), **kw)
+    kw = {"d2t": d2t, "t2d": t2d}
+
+    def dflash(cfg: LossConfig) -> LossConfig:  # resolved for a DFlash drafter of block k + 1 = 5
+        return cfg.resolve("dflash", block_size=5)
+
+    base, pb = vat_objective(out, v, head, dflash(LossConfig(kind="dflash")), **kw)
+    h, ph = vat_objective(out, v, head, dflash(LossConfig.ablation("dflash", "head")), **kw)
+    a, pa = vat_objective(out, v, head, dflash(LossConfig.ablation("dflash", "adaptive")), **kw)
+    lab, pl = vat_objective(out, v, head, dflash(LossConfig.ablation("dflash", "labels")), **kw)
     # head only: same hard term, plus beta * head
     assert set(ph) - set(pb) == {"head"}
     torch.testing.assert_close(ph["hard"], pb["hard"])
@@ -279,7 +285,7 @@ def test_ablation_losses_differ_only_in_their_part():
     torch.testing.assert_close(pl["hard"], pb["hard"])
     torch.testing.assert_close(lab, base + pl["soft"])
     # full VAT is everything at once
-    full, pf = vat_objective(out, v, head, LossConfig(kind="vat"), **kw)
+    full, pf = vat_objective(out, v, head, dflash(LossConfig(kind="vat")), **kw)
     torch.testing.assert_close(full, pf["soft"] + pf["hard"] + pf["head"])
 
 
@@ -292,12 +298,22 @@ def test_head_bce_hand():
         valid=torch.tensor([True, True, False]),
     )
     v = simulate_verification(out.logits, out.target_logits, out.valid)
-    cfg = LossConfig(kind="vat", soft=False, hard=False, head=True, beta=0.5)
-    loss, parts = vat_objective(out, v, torch.zeros(3), cfg, schedule="eagle3")
+    cfg = LossConfig(kind="vat", soft=False, hard=False, head=True, beta=0.5).resolve("eagle3")
+    loss, parts = vat_objective(out, v, torch.zeros(3), cfg)
     assert parts["head"].item() == pytest.approx(math.log(2))
     assert loss.item() == pytest.approx(0.5 * math.log(2))
     with pytest.raises(ValueError, match="head_logits"):
-        vat_objective(out, v, None, cfg, schedule="eagle3")
+        vat_objective(out, v, None, cfg)
+
+
+def test_objective_refuses_an_unresolved_config():
+    """The loss is resolved once, when the config loads; the objective does not resolve it again."""
+    out, d2t, t2d = random_batch(seed=8)
+    v = simulate_verification(out.logits, out.target_logits, out.valid, d2t=d2t)
+    with pytest.raises(AssertionError, match="needs a resolved LossConfig.*resolve_loss"):
+        vat_objective(out, v, None, LossConfig(kind="eagle3"), d2t=d2t, t2d=t2d)
+    loss, _ = vat_objective(out, v, None, LossConfig(kind="eagle3").resolve("eagle3"), d2t=d2t, t2d=t2d)
+    assert torch.isfinite(loss)
 
 
 @pytest.mark.parametrize("mode", ["greedy", "expected"])
@@ -305,7 +321,7 @@ def test_masked_positions_get_zero_gradient(mode):
     out, d2t, t2d = random_batch(seed=6, grad=True)
     head = torch.randn(out.valid.shape, requires_grad=True)
     v = simulate_verification(out.logits, out.target_logits, out.valid, mode=mode, d2t=d2t)
-    loss, parts = vat_objective(out, v, head, LossConfig(kind="vat"), schedule="eagle3", d2t=d2t, t2d=t2d)
+    loss, parts = vat_objective(out, v, head, LossConfig(kind="vat").resolve("eagle3"), d2t=d2t, t2d=t2d)
     loss.backward()
     _, in_vocab = hard_targets(v, d2t, t2d, out.target_logits.shape[-1])
     unsup = ~(out.valid & in_vocab)

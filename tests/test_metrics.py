@@ -77,15 +77,15 @@ def test_d2t_maps_draft_argmax():
     assert m["acc"] == pytest.approx([1.0, 0.0])  # target 3 is outside the draft vocab
 
 
-def random_batch(N, K=6, V=4, seed=0):
+def random_batch(N, k=6, V=4, seed=0):
     g = torch.Generator().manual_seed(seed)
-    d, t = torch.randn(N, K, V, generator=g), torch.randn(N, K, V, generator=g)
+    d, t = torch.randn(N, k, V, generator=g), torch.randn(N, k, V, generator=g)
     t[..., 0] += 2.0  # both favour token 0, so chains often survive several steps
     d[..., 0] += 2.0
-    lengths = torch.randint(0, K + 1, (N,), generator=g)
-    valid = torch.arange(K) < lengths.unsqueeze(-1)
-    out = DraftOutput(logits=d, hidden=torch.zeros(N, K, 1), target_logits=t, valid=valid)
-    return out, torch.randn(N, K, generator=g)
+    lengths = torch.randint(0, k + 1, (N,), generator=g)
+    valid = torch.arange(k) < lengths.unsqueeze(-1)
+    out = DraftOutput(logits=d, hidden=torch.zeros(N, k, 1), target_logits=t, valid=valid)
+    return out, torch.randn(N, k, generator=g)
 
 
 def test_accumulator_over_batches_equals_one_big_batch():
@@ -103,15 +103,15 @@ def test_accumulator_over_batches_equals_one_big_batch():
     whole = chain_metrics(big, simulate_verification(big.logits, big.target_logits, big.valid), cat(ha, hb))
     got = acc.compute()
     assert acc.batches == 2 and set(got) == set(whole)
-    for k in whole:
-        assert got[k] == pytest.approx(whole[k], abs=EXACT, nan_ok=True), k
+    for name in whole:
+        assert got[name] == pytest.approx(whole[name], abs=EXACT, nan_ok=True), name
     # the trainer's way: per-step chain_metrics results, added as they come
     acc2 = MetricAccumulator()
     for out, h in ((a, ha), (b, hb)):
         acc2.add(chain_metrics(out, simulate_verification(out.logits, out.target_logits, out.valid), h))
     again = acc2.summary()
-    for k in got:
-        assert again[k] == pytest.approx(got[k], abs=EXACT, nan_ok=True), k
+    for name in got:
+        assert again[name] == pytest.approx(got[name], abs=EXACT, nan_ok=True), name
 
 
 def test_tau_sim_equals_mean_tokens_per_step_when_chains_are_full():

@@ -20,7 +20,7 @@ EXACT = 1e-6  # float32 round-off on probabilities of O(1)
 
 
 def logits_for(ids: list, V: int) -> torch.Tensor:
-    """[..., K, V] logits whose argmax is ``ids`` (nested lists of token ids)."""
+    """[..., k, V] logits whose argmax is ``ids`` (nested lists of token ids)."""
     t = torch.tensor(ids)
     out = torch.zeros(*t.shape, V)
     out.scatter_(-1, t.unsqueeze(-1), 5.0)
@@ -75,7 +75,7 @@ def test_d2t_mapping():
 
 
 def test_batched_leading_dims():
-    # [B=2, T=1, K=2]: chain (0, 0) accepts 2, chain (1, 0) accepts 0
+    # [B=2, T=1, k=2]: chain (0, 0) accepts 2, chain (1, 0) accepts 0
     draft = logits_for([[[1, 2]], [[0, 2]]], 4)
     target = logits_for([[[1, 2]], [[1, 2]]], 4)
     v = simulate_verification(draft, target)
@@ -127,15 +127,15 @@ def loop_expected(draft, target, valid, d2t, T):
     return alphas, alive
 
 
-def random_case(N=64, K=5, Vd=4, V=6, seed=0):
+def random_case(N=64, k=5, Vd=4, V=6, seed=0):
     g = torch.Generator().manual_seed(seed)
     d2t = torch.tensor([0, 1, 1, 2])  # draft 0 1 2 3 -> target 0 2 3 5
-    draft = torch.randn(N, K, Vd, generator=g)
-    target = torch.randn(N, K, V, generator=g)
+    draft = torch.randn(N, k, Vd, generator=g)
+    target = torch.randn(N, k, V, generator=g)
     # bias target toward in-vocab ids so both accepts and rejects are common
     target[..., [0, 2, 3, 5]] += 0.7
-    lengths = torch.randint(0, K + 1, (N,), generator=g)
-    valid = torch.arange(K) < lengths.unsqueeze(-1)
+    lengths = torch.randint(0, k + 1, (N,), generator=g)
+    valid = torch.arange(k) < lengths.unsqueeze(-1)
     return draft, target, valid, d2t
 
 
@@ -203,7 +203,7 @@ def test_strided_target_view_and_chunked_normaliser(monkeypatch):
 
 def test_sampled_mean_matches_expected():
     # one small batch repeated over N_DRAWS draws via expand (no copy); also checks alive's mean
-    draft, target, valid, d2t = random_case(N=4, K=3, seed=5)
+    draft, target, valid, d2t = random_case(N=4, k=3, seed=5)
     v_exp = simulate_verification(draft, target, valid, mode="expected", temperature=0.8, d2t=d2t)
     S = N_DRAWS
     g = torch.Generator().manual_seed(123)
@@ -218,7 +218,7 @@ def test_sampled_mean_matches_expected():
     )
     torch.testing.assert_close(v.accept.float().mean(0), v_exp.accept, atol=SAMPLED_TOL, rtol=0)
     torch.testing.assert_close(v.alive.mean(0), v_exp.alive, atol=SAMPLED_TOL, rtol=0)
-    # num_accepted lies in 0..K (K = 3), so its standard deviation is up to K times a bit's: 3x the tolerance
+    # num_accepted lies in 0..k (k = 3), so its standard deviation is up to k times a bit's: 3x the tolerance
     mean_accepted = v.num_accepted.double().mean(0).float()
     torch.testing.assert_close(mean_accepted, v_exp.num_accepted, atol=3 * SAMPLED_TOL, rtol=0)
 

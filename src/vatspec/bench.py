@@ -141,6 +141,7 @@ def evaluate(
                       (its speedup shows the measurement noise).
     prompts_by_bench: benchmark name -> prompts (token ids or conversations, see ``prompt_ids``).
     exit_threshold:   early exit for the methods that have a head (others ignore it).
+    k:                drafted tokens per round; None = each drafter's own ``drafter.k``.
     Returns a JSON-ready dict: ``config``, ``benchmarks`` (prompt counts), ``summary[name][bench]``
     with ``average`` per name, and the per-prompt ``runs``.
     """

@@ -97,15 +97,15 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 
 def open_draft(path: str | Path, target, *, device: str | torch.device | None = None,
-               ttt_steps: int | None = None) -> tuple[torch.nn.Module, AcceptHead | None]:
+               k: int | None = None) -> tuple[torch.nn.Module, AcceptHead | None]:
     """The one way a command opens a draft -> ``(drafter, head | None)``, attached to ``target``, in eval mode.
 
     path:      a training checkpoint (``drafter.safetensors``), a run folder (``latest`` names its newest
                checkpoint) or an exported served draft (``config.json`` in any format of ``vatspec.export``,
                ours or third-party; its accept head from ``accept_head/`` when there is one).
     device:    default: the target's.
-    ttt_steps: EAGLE-3 only: replaces the draft's TTT unroll length, e.g. the run's own setting when
-               fine-tuning a published draft (``vatspec train --init-from``).
+    k:         EAGLE-3 only: replaces the draft's k (its TTT unroll length), e.g. the run's own
+               ``drafter.ttt_steps`` when fine-tuning a published draft (``vatspec train --init-from``).
     Raises ``CheckpointError`` (``vatspec.export.ExportError``, a subclass, for a served folder) and
     nothing else when ``path`` holds no draft or one that does not fit ``target``.
     """
@@ -114,19 +114,19 @@ def open_draft(path: str | Path, target, *, device: str | torch.device | None = 
         raise CheckpointError(f"{p} does not exist")
     device = device or target.device
     if (p / "drafter.safetensors").is_file() or (p / "latest").is_file():
-        return _load_checkpoint(resolve_checkpoint(p), target, device, ttt_steps)
+        return _load_checkpoint(resolve_checkpoint(p), target, device, k)
     if (p / "config.json").is_file():
         from vatspec.export.formats import HEAD_DIR
         from vatspec.export.read import import_draft, load_accept_head
 
-        drafter = import_draft(p, target, ttt_steps=ttt_steps, device=device)
+        drafter = import_draft(p, target, k=k, device=device)
         head = load_accept_head(p, device=device)[0] if (p / HEAD_DIR).is_dir() else None
         return drafter, head
     raise CheckpointError(f"{p} is neither a training checkpoint (drafter.safetensors), a run folder (latest) "
                           "nor an exported draft (config.json)")
 
 
-def _load_checkpoint(ckpt: Path, target, device, ttt_steps: int | None):
+def _load_checkpoint(ckpt: Path, target, device, k: int | None):
     from vatspec.drafters import drafter_from_dict
 
     try:
@@ -134,8 +134,8 @@ def _load_checkpoint(ckpt: Path, target, device, ttt_steps: int | None):
         kind, config = meta["kind"], dict(meta["config"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{ckpt / 'drafter.json'}: unreadable ({e!r}); expected {{kind, config}}") from e
-    if ttt_steps is not None and kind == "eagle3":
-        config["ttt_steps"] = int(ttt_steps)  # an unroll length: no parameter depends on it
+    if k is not None and kind == "eagle3":
+        config["ttt_steps"] = int(k)  # an unroll length: no parameter depends on it
     try:
         drafter = drafter_from_dict(kind, config, target, source=str(ckpt / "drafter.json"))
     except (ValueError, TypeError) as e:

@@ -21,6 +21,7 @@ from typing import Any
 
 import yaml
 
+from vatspec.drafters.eagle3 import DEFAULT_TTT_STEPS
 from vatspec.losses import LossConfig
 
 
@@ -54,15 +55,18 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class DrafterConfig:
+    """The drafter's fields under the reference trainers' names; the drafted length they set,
+    ``ttt_steps`` (EAGLE-3) or ``block_size - 1`` (DFlash), is ``drafter.k`` from then on."""
+
     kind: str = "eagle3"  # eagle3 | dflash
     target_layer_ids: tuple[int, ...] | None = None  # None = the drafter's reference default
     # EAGLE-3
     draft_vocab_size: int = 32000
-    ttt_steps: int = 7
+    ttt_steps: int = DEFAULT_TTT_STEPS  # k, the TTT unroll
     init_lm_head: bool = False  # start lm_head / norm from the target's (draft-vocab rows) instead of random
     # DFlash
     num_layers: int = 1
-    block_size: int = 16
+    block_size: int = 16  # k + 1: the anchor and k drafted slots
     num_anchors: int = 512  # anchors (blocks) per sequence
     mask_token_id: int | None = None  # None = pick an unused target id, else a learned row
 
@@ -144,7 +148,7 @@ def resolve_loss(cfg: Config) -> Config:
 
     d, loss = cfg.drafter, cfg.loss
     schedule = drafter_class(d.kind).schedule
-    block = d.block_size if d.kind == "dflash" else None  # only a DFlash drafter has a block (K + 1)
+    block = d.block_size if d.kind == "dflash" else None  # only a DFlash drafter has a block (k + 1)
     if loss.gamma is None and block is None and loss.curve_for(schedule) == "dflash":
         what = "loss.curve=dflash" if loss.curve else "loss.kind=dflash"
         raise ConfigError(f"drafter.kind={d.kind} with {what}: the dflash curve exp(-j/gamma) takes its gamma from "

@@ -3,7 +3,7 @@
 One loop, in the shape of gpt-fast's ``speculative_decode`` and DFlash's ``dflash_generate``::
 
     prefill   target(prompt)                     -> KV cache, layer features, the first new token
-    repeat:   draft   session.extend(new features, new tokens); session.propose(k)  -> d_1..d_k'
+    repeat:   draft   session.extend(new features, new tokens); session.propose(k)  -> d_1..d_k', k' <= k
               verify  target([pending, d_1..d_k'])  in one pass, on the cache
               commit  accepted drafts + one target token (the correction, or the bonus)
               crop    the target cache back to the committed length
@@ -45,7 +45,6 @@ __all__ = [
     "GenerationResult",
     "Proposal",
     "Round",
-    "default_num_draft",
     "generate",
     "greedy_verify",
     "speculative_verify",
@@ -118,11 +117,11 @@ def histogram(tokens_per_step: list[int]) -> list[int]:
 def greedy_verify(logits: Tensor, draft: Tensor) -> tuple[int, Tensor]:
     """Greedy verification of one round.
 
-    logits: [k+1, V] target logits at [pending, d_1..d_k]; draft: [k] drafted ids.
+    logits: [k'+1, V] target logits at [pending, d_1..d_k']; draft: [k'] drafted ids.
     Returns (num_accepted a, committed tokens [a+1]) where the committed tokens are the target's
     argmax at the first a+1 positions (equal to d_1..d_a, then the correction or bonus).
     """
-    g = logits.argmax(-1)  # [k+1]
+    g = logits.argmax(-1)  # [k'+1]
     # 1. accept bits, 2. accepted prefix length
     a = int((draft == g[:-1]).long().cumprod(0).sum())
     return a, g[: a + 1]
@@ -133,21 +132,21 @@ def speculative_verify(
 ) -> tuple[int, Tensor]:
     """Speculative sampling for one round.
 
-    p:     [k+1, V] the target's warped probabilities at [pending, d_1..d_k].
-    draft: [k] drafted ids, sampled from q.
-    q:     [k, V] the draft's warped probabilities, or None when the draft is an argmax (q one-hot).
+    p:     [k'+1, V] the target's warped probabilities at [pending, d_1..d_k'].
+    draft: [k'] drafted ids, sampled from q.
+    q:     [k', V] the draft's warped probabilities, or None when the draft is an argmax (q one-hot).
     Returns (num_accepted a, committed tokens [a+1]) = d_1..d_a followed by a resampled or bonus token.
     """
-    k = draft.shape[0]
-    idx = torch.arange(k, device=p.device)
+    drafted = draft.shape[0]
+    idx = torch.arange(drafted, device=p.device)
     # 1. acceptance probability min(1, p(d)/q(d)): accept iff r * q(d) < p(d), r ~ U[0, 1)
-    p_d = p[idx, draft]  # [k]
+    p_d = p[idx, draft]  # [k']
     q_d = q[idx, draft] if q is not None else torch.ones_like(p_d)
-    r = torch.rand(k, generator=generator, device=p.device, dtype=p.dtype)
+    r = torch.rand(drafted, generator=generator, device=p.device, dtype=p.dtype)
     # 2. the accepted prefix ends at the first rejection
     a = int((r * q_d < p_d).long().cumprod(0).sum())
     # 3. the next token: residual max(0, p - q) at the first rejection, else the bonus from p
-    if a < k:
+    if a < drafted:
         if q is None:
             residual = p[a].clone()
             residual[draft[a]] = 0.0
@@ -157,21 +156,8 @@ def speculative_verify(
             residual = p[a]
         nxt = torch.multinomial(residual, 1, generator=generator)
     else:
-        nxt = torch.multinomial(p[k], 1, generator=generator)
+        nxt = torch.multinomial(p[drafted], 1, generator=generator)
     return a, torch.cat([draft[:a], nxt])
-
-
-def default_num_draft(drafter) -> int:
-    """Drafted tokens per round when the caller gives none: DFlash fills its block (block_size - 1),
-    EAGLE-3 unrolls as many steps as it was trained for (ttt_steps), else 7."""
-    if drafter is None:
-        return 0
-    for name in ("num_draft", "block_size", "ttt_steps"):
-        cfg = getattr(drafter, "config", None)
-        v = getattr(drafter, name, None) or getattr(cfg, name, None)
-        if v:
-            return int(v) - 1 if name == "block_size" else int(v)
-    return 7
 
 
 # --------------------------------------------------------------------------- the loop
@@ -193,8 +179,9 @@ def generate(
 ) -> GenerationResult:
     """Decode up to ``max_new_tokens`` after ``prompt_ids`` ([T] or [1, T]); batch size 1.
 
-    ``drafter=None`` runs the autoregressive baseline through the same loop. ``k`` is the number of
-    tokens drafted per round (default ``default_num_draft(drafter)``); the drafter may return fewer
+    ``drafter=None`` runs the autoregressive baseline through the same loop (k = 0). ``k`` is the number
+    of tokens drafted per round (default ``drafter.k``: DFlash fills its block, EAGLE-3 unrolls as many
+    steps as it was trained for); the drafter may return fewer
     (early exit with ``head`` / ``exit_threshold``). Stops after an EOS (``target.eos_token_ids``,
     kept in the output) or after exactly ``max_new_tokens`` tokens: the last rounds draft fewer
     tokens so no round commits past the limit.
@@ -208,8 +195,8 @@ def generate(
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     sampling = temperature > 0
-    K = 0 if drafter is None else (default_num_draft(drafter) if k is None else int(k))
-    assert K >= 0, f"k must be >= 0, got {K}"
+    k = 0 if drafter is None else (drafter.k if k is None else int(k))
+    assert k >= 0, f"k must be >= 0, got {k}"
     layer_ids = list(drafter.target_layer_ids) if drafter is not None else []
     P = ids.numel()
     result = GenerationResult(tokens=[], prompt_len=P)
@@ -220,8 +207,8 @@ def generate(
     is_eos = torch.zeros(target.vocab_size, dtype=torch.bool, device=device)  # [V]
     is_eos[torch.tensor(target.eos_token_ids, dtype=torch.long, device=device)] = True
     # Preallocated once: the new tokens (a round may write up to k+1 past n) and the verify input.
-    out = torch.empty(max_new_tokens + K + 1, dtype=torch.long, device=device)
-    block = torch.empty(1, K + 1, dtype=torch.long, device=device)  # [1, K+1] = [pending, d_1..d_k]
+    out = torch.empty(max_new_tokens + k + 1, dtype=torch.long, device=device)
+    block = torch.empty(1, k + 1, dtype=torch.long, device=device)  # [1, k+1] = [pending, d_1..d_k]
 
     def next_token(logits: Tensor) -> Tensor:  # [1, V] -> [1]
         if not sampling:
@@ -246,23 +233,23 @@ def generate(
     result.prefill_s = time.perf_counter() - t_start
 
     while n < max_new_tokens and stop != "eos":
-        # 2. draft: hand the last commit to the drafter, then ask for k' <= k tokens
+        # 2. draft: hand the last commit to the drafter, then ask for k' <= cap <= k tokens
         t0 = time.perf_counter()
-        k_round = min(K, max_new_tokens - n - 1)  # a round commits at most k_round + 1 tokens
+        cap = min(k, max_new_tokens - n - 1)  # this round's most drafts: it commits at most cap + 1 tokens
         q = None
         if session is not None:
             session.extend(new_features, new_tokens)
-        if session is not None and k_round > 0:
+        if session is not None and cap > 0:
             proposal = session.propose(
-                k_round,
+                cap,
                 temperature=0.0 if draft_argmax else temperature,
                 top_k=top_k,
                 top_p=top_p,
                 generator=generator,
             )
             draft = proposal.tokens
-            assert draft.dim() == 1 and draft.shape[0] <= k_round, (
-                f"drafter proposed {tuple(draft.shape)} tokens, expected [k'] with k' <= {k_round}"
+            assert draft.dim() == 1 and draft.shape[0] <= cap, (
+                f"drafter proposed {tuple(draft.shape)} tokens, expected [k'] with k' <= {cap}"
             )
             if sampling and not draft_argmax:
                 q = proposal.q
@@ -275,18 +262,18 @@ def generate(
                 assert q.shape == want, f"Proposal.q must be [k', V] = {list(want)}, got {tuple(q.shape)}"
         else:
             draft = block[0, 1:1]  # empty [0]
-        kd = draft.shape[0]
+        drafted = draft.shape[0]  # k'
         sync()
         t1 = time.perf_counter()
 
         # 3. verify [pending, d_1..d_k'] in one target pass on the cache
-        x = block[:, : kd + 1]
+        x = block[:, : drafted + 1]
         x[0, 0] = out[n - 1]
         x[0, 1:] = draft
         tout = target(x, layer_ids=layer_ids, past_key_values=cache, use_cache=True)
-        logits = tout.logits[0]  # [kd+1, V]
+        logits = tout.logits[0]  # [k'+1, V]
         if sampling:
-            p = warp_logits(logits, temperature, top_k, top_p)  # [kd+1, V]
+            p = warp_logits(logits, temperature, top_k, top_p)  # [k'+1, V]
             a, new = speculative_verify(p, draft, q, generator)
         else:
             a, new = greedy_verify(logits, draft)
@@ -300,15 +287,15 @@ def generate(
         out[n : n + c] = new[:c]
 
         # 5. crop the cache to the committed positions: prompt + committed tokens except the new pending one
-        if kd > a:
-            cache.crop(-(kd - a))  # a negative count removes that many positions (old and new HF API)
+        if drafted > a:
+            cache.crop(-(drafted - a))  # a negative count removes that many positions (old and new HF API)
         if session is not None:
             # positions n-1 .. n-1+a are now committed: their features, and the tokens that follow them
             new_features, new_tokens = tout.features[0, : a + 1], out[n : n + a + 1]
         n += c
         sync()
         t2 = time.perf_counter()
-        result.rounds.append(Round(kd, a, c, t1 - t0, t2 - t1))
+        result.rounds.append(Round(drafted, a, c, t1 - t0, t2 - t1))
 
     result.wall_s = time.perf_counter() - t_start
     result.tokens = out[:n].tolist()

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from vatspec.drafters.eagle3 import DEFAULT_TTT_STEPS
+
 log = logging.getLogger(__name__)  # the steps as they run; `vatspec demo` prints them to stderr
 
 MARKER = "vatspec-demo.json"
@@ -44,7 +46,7 @@ class DemoSize:
     max_length: int = 192
     eagle3_lr: float = 1e-3  # short CPU run: 10x the reference 1e-4 (measured: learns faster here)
     draft_vocab: int = 4096  # EAGLE-3 draft vocabulary (32000 in the reference; CPU-sized here)
-    ttt_steps: int = 7
+    ttt_steps: int = DEFAULT_TTT_STEPS  # EAGLE-3 k
     block_size: int = 8  # DFlash block (16 in the reference)
     anchors: int = 16  # DFlash anchors per sequence
     eval_every: int = 12

@@ -1,7 +1,7 @@
 """Draft-training losses: position weights, soft / hard cross-entropy, the accept-head BCE.
 
-Pure torch; the loss holds no state. Every drafter reduces a batch to chains ``[..., K]`` (see
-``drafters/base.py``), so each function here acts on ``[..., K]`` and knows nothing of the drafter.
+Pure torch; the loss holds no state. Every drafter reduces a batch to chains ``[..., k]`` (see
+``drafters/base.py``), so each function here acts on ``[..., k]`` and knows nothing of the drafter.
 Weights and labels are computed under no_grad and returned detached.
 
 Position weights (0-based j; the paper writes them 1-based):
@@ -125,11 +125,11 @@ class LossConfig:
     def resolve(self, schedule: str, *, block_size: int | None = None) -> LossConfig:
         """Fill every None from the kind's preset and the drafter's ``schedule`` ("eagle3" | "dflash").
 
-        block_size: the drafter's block (DFlash: K + 1) for the default gamma; needed only when the
+        block_size: the drafter's block (DFlash: k + 1) for the default gamma; needed only when the
         curve is "dflash" and gamma is None. Idempotent.
         """
         preset = {**_PRESETS[self.kind], "curve": self.curve_for(schedule)}
-        fill = {k: v for k, v in preset.items() if getattr(self, k) is None}
+        fill = {name: v for name, v in preset.items() if getattr(self, name) is None}
         cfg = dataclasses.replace(self, **fill)
         if cfg.curve == "dflash" and cfg.gamma is None:
             if block_size is None:
@@ -168,19 +168,19 @@ def _base_curve(offset: Tensor, schedule: str, decay: float, gamma: float) -> Te
 
 
 def fixed_weights(
-    K: int, schedule: str, *, decay: float = 0.8, gamma: float = 7.0, device: torch.device | None = None
+    k: int, schedule: str, *, decay: float = 0.8, gamma: float = 7.0, device: torch.device | None = None
 ) -> Tensor:
-    """[K] fixed position weights, 0-based.
+    """[k] fixed position weights, 0-based.
 
-    "eagle3": ``decay**j``        K = 4 -> 1 0.8 0.64 0.512
-    "dflash": ``exp(-j/gamma)``   K = 3, gamma = 7 -> 1 0.867 0.751
+    "eagle3": ``decay**j``        k = 4 -> 1 0.8 0.64 0.512
+    "dflash": ``exp(-j/gamma)``   k = 3, gamma = 7 -> 1 0.867 0.751
     """
-    j = torch.arange(K, dtype=torch.float32, device=device)
+    j = torch.arange(k, dtype=torch.float32, device=device)
     return _base_curve(j, schedule, decay, gamma)
 
 
 def vat_weights(v: Verification, schedule: str, *, decay: float = 0.8, gamma: float = 7.0) -> Tensor:
-    """[..., K] VAT verification-adaptive weights (detached); 0 at invalid positions.
+    """[..., k] VAT verification-adaptive weights (detached); 0 at invalid positions.
 
     Hard modes, first rejection r: ``w_j = 1`` for ``j <= r``, ``base(j - r)`` for ``j > r``::
 
@@ -189,26 +189,26 @@ def vat_weights(v: Verification, schedule: str, *, decay: float = 0.8, gamma: fl
         no rejection:   pos = 0 1 2 3 -> w = 1 1 1 1
 
     Expected mode: r is random with ``P(j <= r) = alive_j`` and ``P(r = i) = alive_i (1 - alpha_i)``,
-    so ``E[w_j] = alive_j + sum_{i<j} alive_i (1 - alpha_i) base(j - i)``. Example, eagle3, K = 2,
+    so ``E[w_j] = alive_j + sum_{i<j} alive_i (1 - alpha_i) base(j - i)``. Example, eagle3, k = 2,
     alpha = (0.5, .): alive = (1, 0.5) -> E[w] = (1, 0.5 + 0.5 * 0.8) = (1, 0.9).
 
     Either way ``w_j >= base(j)``: each possible r gives a weight no smaller than the fixed curve's.
     """
     with torch.no_grad():
-        K = v.valid.shape[-1]
+        k = v.valid.shape[-1]
         device = v.valid.device
-        j = torch.arange(K, device=device)
+        j = torch.arange(k, device=device)
         valid_f = v.valid.float()
         if v.first_reject is not None:
             r = v.first_reject.unsqueeze(-1)  # [..., 1]
-            after = (j - r).clamp(min=0).float()  # [..., K] offset from r, 0 up to r
+            after = (j - r).clamp(min=0).float()  # [..., k] offset from r, 0 up to r
             w = torch.where(j <= r, torch.ones_like(after), _base_curve(after, schedule, decay, gamma))
         else:
             # B[i, j] = base(j - i) for i < j, else 0: the curve restarted at rejection i, seen at j
-            offset = (j.unsqueeze(0) - j.unsqueeze(1)).float()  # [K, K] j - i
+            offset = (j.unsqueeze(0) - j.unsqueeze(1)).float()  # [k, k] j - i
             B = torch.where(offset > 0, _base_curve(offset.clamp(min=0), schedule, decay, gamma), 0.0)
-            p_reject = v.alive * (1.0 - v.accept.float())  # [..., K] P(r = i)
-            w = v.alive + p_reject @ B  # [..., K]
+            p_reject = v.alive * (1.0 - v.accept.float())  # [..., k] P(r = i)
+            w = v.alive + p_reject @ B  # [..., k]
         return w * valid_f
 
 
@@ -230,25 +230,25 @@ def vat_weights(v: Verification, schedule: str, *, decay: float = 0.8, gamma: fl
 #   Consequence: our DFlash baseline loss is sum_j w_j (about 6 for block 16) times the reference's
 #   at equal per-token CE; with Adam that changes nothing but the interplay with grad clipping and
 #   with the head's beta.
-# Worked example: K = 2, chains n = 0, 1; ce = [[1, 2], [3, 4]], w = [[1, 1], [1, 0.8]],
+# Worked example: k = 2, chains n = 0, 1; ce = [[1, 2], [3, 4]], w = [[1, 1], [1, 0.8]],
 #   chain 1 position 1 unsupervised -> j=0: (1*1 + 1*3)/2 = 2; j=1: (1*2)/1 = 2; loss = 4.
 
 
 def _reduce(per_pos: Tensor, mask: Tensor) -> Tensor:
-    """Sum over j of the mean over supervised chains at j: [..., K] -> scalar."""
-    K = mask.shape[-1]
-    per_pos = torch.where(mask, per_pos, torch.zeros_like(per_pos)).reshape(-1, K)  # [N, K]
-    count = mask.reshape(-1, K).sum(0).clamp(min=1)  # [K]
+    """Sum over j of the mean over supervised chains at j: [..., k] -> scalar."""
+    k = mask.shape[-1]
+    per_pos = torch.where(mask, per_pos, torch.zeros_like(per_pos)).reshape(-1, k)  # [N, k]
+    count = mask.reshape(-1, k).sum(0).clamp(min=1)  # [k]
     return (per_pos.sum(0) / count).sum()
 
 
 def soft_targets(target_logits: Tensor, d2t: Tensor | None) -> Tensor:
-    """[..., K, V] -> [..., K, Vd] EAGLE-3 soft labels (detached): the target softmax restricted to the
+    """[..., k, V] -> [..., k, Vd] EAGLE-3 soft labels (detached): the target softmax restricted to the
     draft vocab's target ids and renormalised over them. Gathers only those Vd columns."""
     with torch.no_grad():
         cols = target_logits
         if d2t is not None:
-            cols = target_logits.index_select(-1, target_ids(d2t))  # [..., K, Vd]
+            cols = target_logits.index_select(-1, target_ids(d2t))  # [..., k, Vd]
         return torch.softmax(cols.float(), dim=-1)
 
 
@@ -300,7 +300,7 @@ def token_ce(logits: Tensor, p: Tensor | None, labels: Tensor | None) -> tuple[T
 def hard_targets(v: Verification, d2t: Tensor | None, t2d: Tensor | None, vocab_size: int) -> tuple[Tensor, Tensor]:
     """Hard labels in draft ids and the in-vocab mask, from the target argmax (detached).
 
-    Returns (labels [..., K] long, 0 where out of vocab; in_vocab [..., K] bool). Example: d2t maps
+    Returns (labels [..., k] long, 0 where out of vocab; in_vocab [..., k] bool). Example: d2t maps
     draft 0 1 2 -> target 0 2 5; target argmax 2 3 5 -> labels 1 0 2, in_vocab 1 0 1.
     """
     with torch.no_grad():
@@ -309,7 +309,7 @@ def hard_targets(v: Verification, d2t: Tensor | None, t2d: Tensor | None, vocab_
             labels = v.target_argmax
             in_vocab = torch.ones_like(labels, dtype=torch.bool)
         else:
-            labels = index[v.target_argmax]  # [..., K], -1 outside
+            labels = index[v.target_argmax]  # [..., k], -1 outside
             in_vocab = labels >= 0 if t2d is None else t2d[v.target_argmax]
             labels = labels.clamp(min=0)
         return labels, in_vocab
@@ -321,36 +321,38 @@ def vat_objective(
     head_logits: Tensor | None,
     cfg: LossConfig,
     *,
-    schedule: str,
     d2t: Tensor | None = None,
     t2d: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The draft loss for one batch of chains.
 
-    out:         DraftOutput (logits [..., K, Vd], target_logits [..., K, V], valid [..., K]).
+    out:         DraftOutput (logits [..., k, Vd], target_logits [..., k, V], valid [..., k]).
     v:           the Verification of ``out`` (labels for the head, first rejection for the weights).
-    head_logits: [..., K] accept-head logits, required when the config has the head on.
-    cfg:         a LossConfig; resolved here against ``schedule`` with block_size = K + 1.
-    schedule:    the drafter's schedule, "eagle3" | "dflash".
+    head_logits: [..., k] accept-head logits, required when the config has the head on.
+    cfg:         a resolved LossConfig (``cfg.resolved``): resolved once for the drafter when the run
+                 config loads (``config.resolve_loss``), or by hand with ``LossConfig.resolve``.
     d2t, t2d:    [Vd] long offsets and [V] bool draft-vocab mask; None = identity vocab.
 
     Returns (loss: scalar with grad, parts: detached scalars). parts has "loss", one entry per
     active term ("soft", "hard": the weighted reduced CE as added; "head": the mean BCE before beta)
     and "weight_mean" (mean weight over supervised positions).
     """
-    K = out.valid.shape[-1]
-    cfg = cfg.resolve(schedule, block_size=K + 1)
+    assert cfg.resolved, (
+        f"vat_objective needs a resolved LossConfig, got {cfg}: resolve it once for the drafter, "
+        "with config.load_config / config.resolve_loss or LossConfig.resolve(drafter.schedule, block_size=...)"
+    )
+    k = out.valid.shape[-1]
     if v.valid.shape != out.valid.shape:
         raise ValueError(f"Verification valid {tuple(v.valid.shape)} vs DraftOutput valid {tuple(out.valid.shape)}")
-    valid = out.valid  # [..., K]
+    valid = out.valid  # [..., k]
     V = out.target_logits.shape[-1]
 
     # 1. labels and weights (no grad)
-    labels, in_vocab = hard_targets(v, d2t, t2d, V)  # [..., K]
+    labels, in_vocab = hard_targets(v, d2t, t2d, V)  # [..., k]
     sup = valid & in_vocab  # supervised by the CE terms; out-of-vocab positions stay rejections in v
     if cfg.weights == "fixed":
-        w = fixed_weights(K, cfg.curve, decay=cfg.decay, gamma=cfg.gamma or 1.0, device=valid.device)
-        w = w.expand(valid.shape)  # [..., K]
+        w = fixed_weights(k, cfg.curve, decay=cfg.decay, gamma=cfg.gamma or 1.0, device=valid.device)
+        w = w.expand(valid.shape)  # [..., k]
     else:
         w = vat_weights(v, cfg.curve, decay=cfg.decay, gamma=cfg.gamma or 1.0)
 
@@ -358,8 +360,8 @@ def vat_objective(
     parts: dict[str, Tensor] = {}
     loss = out.logits.new_zeros((), dtype=torch.float32)
     if cfg.soft or cfg.hard:
-        p_tilde = soft_targets(out.target_logits, d2t) if cfg.soft else None  # [..., K, Vd]
-        soft_ce, hard_ce = token_ce(out.logits, p_tilde, labels if cfg.hard else None)  # [..., K] each
+        p_tilde = soft_targets(out.target_logits, d2t) if cfg.soft else None  # [..., k, Vd]
+        soft_ce, hard_ce = token_ce(out.logits, p_tilde, labels if cfg.hard else None)  # [..., k] each
         del p_tilde
         if cfg.soft:
             parts["soft"] = _reduce(w * soft_ce, sup)
@@ -379,7 +381,7 @@ def vat_objective(
         parts["head"] = torch.where(valid, bce, torch.zeros_like(bce)).sum() / n_valid
         loss = loss + cfg.beta * parts["head"]
 
-    parts = {k: t.detach() for k, t in parts.items()}
+    parts = {name: t.detach() for name, t in parts.items()}
     parts["loss"] = loss.detach()
     parts["weight_mean"] = (w * sup).sum() / sup.sum().clamp(min=1)
     return loss, parts

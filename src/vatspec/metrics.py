@@ -1,12 +1,12 @@
 """Training-time diagnostics of drafted chains: what users of the reference trainers ask for
 (per-step and conditional top-1 accuracy, simulated tau) plus the paper's VAT diagnostics
-(mean first rejection, post-rejection match rate, accept-head accuracy and error on k).
+(mean first rejection, post-rejection match rate, accept-head accuracy and error on the first rejection r).
 
 Pure, no grad. Metrics are ratios of counts; ``MetricAccumulator`` sums the counts over batches
 and divides once at the end, so a held-out split evaluated in many batches gives the same numbers
 as one big batch.
 
-Worked example (K = 3, two chains, all valid; "match" = draft argmax == target argmax)::
+Worked example (k = 3, two chains, all valid; "match" = draft argmax == target argmax)::
 
     chain a: match = 1 1 0      chain b: match = 1 0 1
     acc      = 2/2 1/2 1/2      per-step top-1
@@ -26,7 +26,7 @@ from vatspec.verify import Verification, draft_to_target
 
 
 def _leading_ones(x: Tensor) -> Tensor:
-    """[..., K] bool -> [...] long: how many positions from the start are all True."""
+    """[..., k] bool -> [...] long: how many positions from the start are all True."""
     return x.long().cumprod(-1).sum(-1)
 
 
@@ -37,18 +37,18 @@ def _batch_counts(
     d2t: Tensor | None,
     head_threshold: float,
 ) -> dict[str, Tensor]:
-    """Summable counts for one batch; per-step ones are [K], the rest scalars (float64, detached)."""
-    valid = out.valid  # [..., K]
-    K = valid.shape[-1]
-    j = torch.arange(K, device=valid.device)
+    """Summable counts for one batch; per-step ones are [k], the rest scalars (float64, detached)."""
+    valid = out.valid  # [..., k]
+    k = valid.shape[-1]
+    j = torch.arange(k, device=valid.device)
     with torch.no_grad():
-        draft = draft_to_target(out.logits.argmax(-1), d2t)  # [..., K] target ids
+        draft = draft_to_target(out.logits.argmax(-1), d2t)  # [..., k] target ids
         match = (draft == v.target_argmax) & valid
         # all earlier steps matched: the chains that reach step j under greedy verification
         reach = torch.cat([torch.ones_like(match[..., :1]), match[..., :-1]], -1).long().cumprod(-1).bool()
         reach = reach & valid
         has = valid.any(-1)  # [...] chains with at least one position
-        flat = lambda x: x.reshape(-1, K).sum(0).double()  # noqa: E731  [..., K] -> [K]
+        flat = lambda x: x.reshape(-1, k).sum(0).double()  # noqa: E731  [..., k] -> [k]
 
         c: dict[str, Tensor] = {
             "valid": flat(valid),
@@ -61,7 +61,7 @@ def _batch_counts(
         # first rejection as verification saw it; expected mode has none, use the greedy one
         first_reject = v.first_reject if v.first_reject is not None else _leading_ones(match)
         if v.first_reject is not None:
-            c["accept_hist"] = torch.bincount(first_reject[has].reshape(-1), minlength=K + 1).double()
+            c["accept_hist"] = torch.bincount(first_reject[has].reshape(-1), minlength=k + 1).double()
         after = valid & (j > first_reject.unsqueeze(-1))  # positions verification threw away
         c["post"] = after.sum().double()
         c["post_match"] = (after & match).sum().double()
@@ -116,7 +116,7 @@ class MetricAccumulator:
         *,
         d2t: Tensor | None = None,
     ) -> None:
-        """Add one batch: ``out`` and its Verification ``v`` (``head_logits`` [..., K] if any), or the
+        """Add one batch: ``out`` and its Verification ``v`` (``head_logits`` [..., k] if any), or the
         ``ChainMetrics`` that ``chain_metrics`` returned for it (its own head threshold applies)."""
         if isinstance(out, ChainMetrics):
             if v is not None or head_logits is not None:
@@ -132,26 +132,26 @@ class MetricAccumulator:
                 raise ValueError("MetricAccumulator.add(out, v): the Verification v is missing")
             c = _batch_counts(out, v, head_logits, d2t, self.head_threshold)
         if self.counts and self.counts["valid"].shape != c["valid"].shape:
-            raise ValueError(f"K changed between batches: {self.counts['valid'].numel()} vs {c['valid'].numel()}")
+            raise ValueError(f"k changed between batches: {self.counts['valid'].numel()} vs {c['valid'].numel()}")
         if self.counts and set(self.counts) != set(c):
             raise ValueError(
                 f"batches disagree on what is measured (head / verification mode): {sorted(set(self.counts) ^ set(c))}"
             )
-        for k, x in c.items():
-            self.counts[k] = self.counts[k] + x.to(self.counts[k].device) if k in self.counts else x
+        for name, x in c.items():
+            self.counts[name] = self.counts[name] + x.to(self.counts[name].device) if name in self.counts else x
         self.batches += 1
 
     def compute(self) -> dict[str, float | list]:
         """The metrics over everything added (NaN where a denominator is 0).
 
-        acc:                   [K] top-1 accuracy per step over valid positions.
+        acc:                   [k] top-1 accuracy per step over valid positions.
         acc_mean:              top-1 accuracy over all valid positions.
-        cond_acc:              [K] accuracy at step j given all earlier steps matched.
+        cond_acc:              [k] accuracy at step j given all earlier steps matched.
         tau_sim:               1 + sum_i prod_{j<=i} cond_acc_j (greedy, bonus token included).
-        mean_first_reject:     mean first rejection = mean num_accepted (accepted-prefix length, 0..K)
+        mean_first_reject:     mean first rejection = mean num_accepted (accepted-prefix length, 0..k)
                                under v's rule; the expectation in expected mode.
         tokens_per_step:       mean_first_reject + 1 (README.md's tau, bonus token included).
-        accept_hist:           [K + 1] count of chains by num_accepted (greedy / sampled only).
+        accept_hist:           [k + 1] count of chains by num_accepted (greedy / sampled only).
         post_reject_match:     fraction of valid positions after the first rejection where the draft
                                still matches the target (the paper's diagnostic).
         head_acc:              accept-head accuracy at the threshold vs alive (with a head).
@@ -160,8 +160,8 @@ class MetricAccumulator:
         """
         if not self.counts:
             raise ValueError("MetricAccumulator.compute() before any add()")
-        c = {k: x.detach().cpu() for k, x in self.counts.items()}
-        valid, correct, reach, reach_correct = (c[k].tolist() for k in ("valid", "correct", "reach", "reach_correct"))
+        c = {name: x.detach().cpu() for name, x in self.counts.items()}
+        valid, correct, reach, reach_correct = (c[n].tolist() for n in ("valid", "correct", "reach", "reach_correct"))
         cond = [_ratio(a, b) for a, b in zip(reach_correct, reach)]
         tau, prod = 1.0, 1.0
         for x in cond:  # a step no chain reaches contributes 0 from there on
@@ -199,11 +199,11 @@ def chain_metrics(
     """Metrics of one batch of chains; see ``MetricAccumulator.compute`` for the keys. The result is
     a dict that also carries its counts, so ``MetricAccumulator.add(result)`` aggregates exactly.
 
-    out: DraftOutput ([..., K, Vd] logits, [..., K] valid); v: its Verification; head_logits: [..., K];
+    out: DraftOutput ([..., k, Vd] logits, [..., k] valid); v: its Verification; head_logits: [..., k];
     d2t: [Vd] long draft -> target offsets (None = identity).
     """
     counts = _batch_counts(out, v, head_logits, d2t, head_threshold)
     acc = MetricAccumulator(head_threshold)
     acc.counts = counts
     values = acc.compute()
-    return ChainMetrics(values, {k: x.detach().cpu() for k, x in counts.items()})
+    return ChainMetrics(values, {name: x.detach().cpu() for name, x in counts.items()})

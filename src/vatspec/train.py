@@ -1,7 +1,7 @@
 """The training loop: one loop for every drafter and every loss.
 
 The loop does no math: per micro-batch it asks the drafter what the target must compute, runs
-the frozen target (online mode, under no_grad), lets the drafter build its K-position chains,
+the frozen target (online mode, under no_grad), lets the drafter build its k-position chains,
 simulates verification (``verify.py``) and hands everything to the objective (``losses.py``).
 Runs unchanged under ``torchrun --nproc_per_node=N`` (DDP: gloo on CPU, NCCL on GPUs).
 
@@ -57,7 +57,7 @@ class TrainModule(nn.Module):
 
     def forward(self, batch, tout, plan: DrafterPlan):
         out = self.drafter.training_forward(batch, tout, **plan.kwargs)
-        head_logits = self.head(out.hidden) if self.head is not None else None  # [..., K]
+        head_logits = self.head(out.hidden) if self.head is not None else None  # [..., k]
         return out, head_logits
 
 
@@ -123,9 +123,7 @@ def arm_step(model, drafter, batch, tout, plan, loss_cfg, generator) -> StepResu
         out.logits, out.target_logits, out.valid,
         mode=loss_cfg.verify, temperature=loss_cfg.temperature, d2t=drafter.d2t, generator=generator,
     )
-    loss, parts = vat_objective(
-        out, ver, head_logits, loss_cfg, schedule=drafter.schedule, d2t=drafter.d2t, t2d=drafter.t2d
-    )
+    loss, parts = vat_objective(out, ver, head_logits, loss_cfg, d2t=drafter.d2t, t2d=drafter.t2d)
     metrics = chain_metrics(out, ver, head_logits, d2t=drafter.d2t)
     return StepResult(loss, parts, metrics)
 
@@ -363,7 +361,7 @@ def _build_arm(cfg: Config, target, counts, total: int, world: int, device, init
     )
     torch.manual_seed(cfg.train.seed)  # same init for every arm of a kind: a fair comparison
     if init_from:  # a training checkpoint, a run folder, or an exported served draft
-        drafter, _ = ckpt_io.open_draft(init_from, target, ttt_steps=cfg.drafter.ttt_steps)
+        drafter, _ = ckpt_io.open_draft(init_from, target, k=cfg.drafter.ttt_steps)  # EAGLE-3 k; DFlash ignores it
         drafter.train()
         _check_init_from(drafter, cfg, init_from)
     else:

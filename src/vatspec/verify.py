@@ -1,7 +1,7 @@
 """Simulated verification: what a serving engine would accept from a batch of drafted chains.
 
 Pure torch, no state. Training turns the result into supervision (``losses.py``) and into
-diagnostics (``metrics.py``). Shapes: ``...`` are the chain dims, K the drafted positions per chain,
+diagnostics (``metrics.py``). Shapes: ``...`` are the chain dims, k the drafted positions per chain,
 Vd the draft vocabulary, V the target vocabulary.
 
 Three rules (README.md, "What VAT is"; the paper trains with the first):
@@ -14,7 +14,7 @@ Three rules (README.md, "What VAT is"; the paper trains with the first):
 - ``expected``: no draws; ``accept`` holds ``alpha_j = sum_x min(p_j(x), q_j(x))``, the probability
                 the sampled rule accepts position j.
 
-Worked example (greedy, K = 4, all valid)::
+Worked example (greedy, k = 4, all valid)::
 
     draft argmax  = a b x d        target argmax = a b c d
     accept        = 1 1 0 1        first_reject  = 2  (num_accepted = 2, tau = 3 with the bonus)
@@ -36,24 +36,24 @@ from vatspec.drafters.vocab import target_ids
 MODES = ("greedy", "sampled", "expected")
 
 # Upper bound on the elements of one full-vocab fp32 temporary (64M elements = 256 MiB). Full-vocab
-# log-normalisers are computed chunk by chunk below it, so [N, K, V] target logits never get a whole
-# fp32 copy (N * K * 49152 * 4 bytes is many GiB at training batch sizes).
+# log-normalisers are computed chunk by chunk below it, so [N, k, V] target logits never get a whole
+# fp32 copy (N * k * 49152 * 4 bytes is many GiB at training batch sizes).
 _CHUNK_ELEMS = 1 << 26
 
 
 @dataclass(frozen=True)
 class Verification:
-    """Outcome of simulated verification on chains of K drafted positions (all fields detached).
+    """Outcome of simulated verification on chains of k drafted positions (all fields detached).
 
-    accept:        [..., K] bool accept bit per position (greedy / sampled), or float acceptance
+    accept:        [..., k] bool accept bit per position (greedy / sampled), or float acceptance
                    probability alpha_j (expected); False / 0 at invalid positions.
     first_reject:  [...] long, 0-based index of the first rejected valid position, or the number of
                    valid positions if none is rejected; None in expected mode.
-    alive:         [..., K] float, the paper's label v: 1 iff every earlier position was accepted
+    alive:         [..., k] float, the paper's label v: 1 iff every earlier position was accepted
                    (so 1 exactly for j <= first_reject); expected mode: prod_{i<j} alpha_i. 0 where invalid.
-    valid:         [..., K] bool, as given (all True if none was given).
-    target_argmax: [..., K] long target id of the target's argmax (hard labels and metrics reuse it).
-    draft_token:   [..., K] long target id of the drafted token (argmax or sample); None in expected mode.
+    valid:         [..., k] bool, as given (all True if none was given).
+    target_argmax: [..., k] long target id of the target's argmax (hard labels and metrics reuse it).
+    draft_token:   [..., k] long target id of the drafted token (argmax or sample); None in expected mode.
     mode:          the rule used, one of ``MODES``.
     """
 
@@ -67,7 +67,7 @@ class Verification:
 
     @property
     def num_accepted(self) -> Tensor:
-        """[...] accepted drafts before the first rejection (0..K); excludes the bonus token, so
+        """[...] accepted drafts before the first rejection (0..k); excludes the bonus token, so
         ``tokens_per_step = num_accepted + 1`` (README.md's tau). Long in greedy / sampled mode;
         the expectation ``sum_j prod_{i<=j} alpha_i`` (float) in expected mode."""
         if self.first_reject is not None:
@@ -107,13 +107,13 @@ def log_normaliser(logits: Tensor, temperature: float = 1.0) -> Tensor:
 
 
 def _check_inputs(draft_logits: Tensor, target_logits: Tensor, valid: Tensor | None, d2t: Tensor | None) -> Tensor:
-    """Assert the shape contract; return ``valid`` as a [..., K] bool tensor."""
-    lead = draft_logits.shape[:-1]  # [..., K]
+    """Assert the shape contract; return ``valid`` as a [..., k] bool tensor."""
+    lead = draft_logits.shape[:-1]  # [..., k]
     if draft_logits.dim() < 2:
-        raise ValueError(f"draft_logits must be [..., K, Vd], got {tuple(draft_logits.shape)}")
+        raise ValueError(f"draft_logits must be [..., k, Vd], got {tuple(draft_logits.shape)}")
     if target_logits.shape[:-1] != lead:
         raise ValueError(
-            f"target_logits {tuple(target_logits.shape)} must share [..., K] with draft_logits "
+            f"target_logits {tuple(target_logits.shape)} must share [..., k] with draft_logits "
             f"{tuple(draft_logits.shape)}"
         )
     Vd, V = draft_logits.shape[-1], target_logits.shape[-1]
@@ -126,14 +126,14 @@ def _check_inputs(draft_logits: Tensor, target_logits: Tensor, valid: Tensor | N
         return torch.ones(lead, dtype=torch.bool, device=draft_logits.device)
     if valid.shape != lead or valid.dtype != torch.bool:
         raise ValueError(f"valid must be bool {tuple(lead)}, got {valid.dtype} {tuple(valid.shape)}")
-    # A prefix mask along K: once False, False after (one host sync; verification assumes it).
+    # A prefix mask along k: once False, False after (one host sync; verification assumes it).
     if bool((valid[..., 1:] & ~valid[..., :-1]).any()):
-        raise ValueError("valid must be a prefix mask along K (once False, False after)")
+        raise ValueError("valid must be a prefix mask along k (once False, False after)")
     return valid
 
 
 def _exclusive_cumprod(x: Tensor) -> Tensor:
-    """[..., K] -> [..., K]: out_j = prod_{i<j} x_i (out_0 = 1)."""
+    """[..., k] -> [..., k]: out_j = prod_{i<j} x_i (out_0 = 1)."""
     ones = torch.ones_like(x[..., :1])
     return torch.cat([ones, x[..., :-1]], dim=-1).cumprod(-1)
 
@@ -148,12 +148,12 @@ def simulate_verification(
     d2t: Tensor | None = None,
     generator: torch.Generator | None = None,
 ) -> Verification:
-    """Simulate verification of chains of K drafted positions.
+    """Simulate verification of chains of k drafted positions.
 
-    draft_logits:  [..., K, Vd] draft logits over the draft vocabulary.
-    target_logits: [..., K, V]  target logits for the same positions (may be a strided view; it is
+    draft_logits:  [..., k, Vd] draft logits over the draft vocabulary.
+    target_logits: [..., k, V]  target logits for the same positions (may be a strided view; it is
                    read by argmax / gather / chunked logsumexp, never copied whole).
-    valid:         [..., K] bool prefix mask, True where the position exists; None = all True.
+    valid:         [..., k] bool prefix mask, True where the position exists; None = all True.
     mode:          "greedy" | "sampled" | "expected" (see the module docstring).
     temperature:   scales both p and q in sampled / expected mode (must be > 0); unused in greedy.
     d2t:           [Vd] long offsets, draft id i -> target id i + d2t[i]; None = identity (Vd == V).
@@ -171,28 +171,28 @@ def simulate_verification(
             f"simulate_verification: the generator is on {generator.device} but the logits are on "
             f"{draft_logits.device}; make it there (torch.Generator(device=...), train.step_generator(..., device=...))"
         )
-    lead = valid.shape  # [..., K]
+    lead = valid.shape  # [..., k]
 
     with torch.no_grad():
-        target_argmax = target_logits.argmax(-1)  # [..., K] target ids
+        target_argmax = target_logits.argmax(-1)  # [..., k] target ids
         draft_token: Tensor | None = None
 
         if mode == "greedy":
             # 1. draft argmax in target ids; a target argmax outside the draft vocab never matches
-            draft_token = draft_to_target(draft_logits.argmax(-1), d2t)  # [..., K]
+            draft_token = draft_to_target(draft_logits.argmax(-1), d2t)  # [..., k]
             accept = (draft_token == target_argmax) & valid
         else:
-            logq = F.log_softmax(draft_logits.float() / temperature, dim=-1)  # [..., K, Vd]
-            lse_p = log_normaliser(target_logits, temperature)  # [..., K], full-vocab normaliser
+            logq = F.log_softmax(draft_logits.float() / temperature, dim=-1)  # [..., k, Vd]
+            lse_p = log_normaliser(target_logits, temperature)  # [..., k], full-vocab normaliser
             if mode == "sampled":
                 # 1. x ~ q
                 Vd = logq.shape[-1]
                 x = torch.multinomial(logq.exp().reshape(-1, Vd), 1, generator=generator).view(lead)
-                draft_token = draft_to_target(x, d2t)  # [..., K]
+                draft_token = draft_to_target(x, d2t)  # [..., k]
                 # 2. accept with prob min(1, p(x) / q(x)); u in [0, 1) so ratio >= 1 always accepts
                 logq_x = logq.gather(-1, x.unsqueeze(-1)).squeeze(-1)
                 logit_p_x = target_logits.gather(-1, draft_token.unsqueeze(-1)).squeeze(-1).float()
-                ratio = (logit_p_x / temperature - lse_p - logq_x).exp()  # [..., K]
+                ratio = (logit_p_x / temperature - lse_p - logq_x).exp()  # [..., k]
                 u = torch.rand(lead, generator=generator, device=ratio.device)
                 accept = (u < ratio) & valid
             else:
@@ -200,9 +200,9 @@ def simulate_verification(
                 # those V_d columns of p are needed (p still normalised over the full V).
                 cols = target_logits
                 if d2t is not None:
-                    cols = target_logits.index_select(-1, target_ids(d2t))  # [..., K, Vd]
-                p = (cols.float() / temperature - lse_p.unsqueeze(-1)).exp()  # [..., K, Vd]
-                alpha = torch.minimum(p, logq.exp()).sum(-1).clamp(0.0, 1.0)  # [..., K]
+                    cols = target_logits.index_select(-1, target_ids(d2t))  # [..., k, Vd]
+                p = (cols.float() / temperature - lse_p.unsqueeze(-1)).exp()  # [..., k, Vd]
+                alpha = torch.minimum(p, logq.exp()).sum(-1).clamp(0.0, 1.0)  # [..., k]
                 accept = torch.where(valid, alpha, torch.zeros_like(alpha))
 
         valid_f = valid.float()
@@ -211,7 +211,7 @@ def simulate_verification(
             alive = _exclusive_cumprod(accept) * valid_f  # prod_{i<j} alpha_i
         else:
             # 3. first rejection = length of the accepted prefix (accept is False where invalid)
-            prefix = accept.long().cumprod(-1)  # [..., K] 1 while every position so far was accepted
+            prefix = accept.long().cumprod(-1)  # [..., k] 1 while every position so far was accepted
             first_reject = prefix.sum(-1)  # [...]
             alive = _exclusive_cumprod(accept.float()) * valid_f
 

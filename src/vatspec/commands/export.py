@@ -23,7 +23,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--force", action="store_true", help="replace a non-empty --out")
     parser.add_argument("--dtype", type=dtype_arg, metavar=DTYPE_METAVAR, help="weights dtype; default: as trained")
     parser.add_argument("--exit-threshold", type=float, help="accept-head early-exit threshold stored beside the draft")
-    parser.add_argument("--speculative-tokens", type=int, help="speculators: tokens per round (default: TTT steps)")
+    parser.add_argument("--k", "--speculative-tokens", dest="k", type=int,
+                        help="speculators: tokens drafted per round, written as speculative_tokens (default: the "
+                             "draft's k, its TTT steps)")
     parser.add_argument("--verifier", help="speculators: the target's name for `vllm serve DIR` (default: its path)")
 
 
@@ -34,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
         drafter, head = open_draft(args.checkpoint, target, device="cpu")
         fmt = args.format or DEFAULT_FORMAT[drafter.kind]
         out = export_draft(drafter, target, args.out, fmt=fmt, head=head, exit_threshold=args.exit_threshold,
-                           dtype=args.dtype, force=args.force, speculative_tokens=args.speculative_tokens,
+                           dtype=args.dtype, force=args.force, k=args.k,
                            verifier=args.verifier)
     except (CheckpointError, TargetError, ValueError) as e:
         return report("export", e)

@@ -3,7 +3,7 @@
     drafter = build_drafter(cfg.drafter, target, token_counts)
     plan = plan_batch(drafter, batch, cfg.drafter, generator)   # what the target must compute
     tout = target(batch.input_ids, batch.attention_mask, drafter.target_layer_ids, logits_at=plan.logits_at)
-    out = drafter.training_forward(batch, tout, **plan.kwargs)   # -> DraftOutput, K positions per chain
+    out = drafter.training_forward(batch, tout, **plan.kwargs)   # -> DraftOutput, k positions per chain
 """
 
 from __future__ import annotations

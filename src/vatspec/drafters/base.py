@@ -1,14 +1,16 @@
 """What every drafter gives the training loop, and the accept head that sits beside it.
 
 One loop trains both drafters because each reduces a batch to the same shape: N verification
-chains of K drafted positions (EAGLE-3: one chain per sequence index, K = TTT steps; DFlash: one
-chain per anchor, K = block_size - 1 slots). Verification, weights and losses then act on
-``[..., K]`` without knowing which drafter made them.
+chains of k drafted positions (EAGLE-3: one chain per sequence index, k = TTT steps; DFlash: one
+chain per anchor, k = block_size - 1 slots; ``drafter.k`` either way). Verification, weights and
+losses then act on ``[..., k]`` without knowing which drafter made them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -18,12 +20,12 @@ from vatspec.target import skinny_linear
 
 @dataclass
 class DraftOutput:
-    """Chains of K drafted positions; ``...`` are the chain dims ([B, T] or [B, A]).
+    """Chains of k drafted positions; ``...`` are the chain dims ([B, T] or [B, A]).
 
-    logits:        [..., K, Vd] draft logits over the draft vocabulary.
-    hidden:        [..., K, H]  the drafter's last hidden state at each position (the accept head's input).
-    target_logits: [..., K, V]  target logits predicting the same tokens (may be a strided view).
-    valid:         [..., K] bool, True where the position exists and is supervised; a prefix mask along K.
+    logits:        [..., k, Vd] draft logits over the draft vocabulary.
+    hidden:        [..., k, H]  the drafter's last hidden state at each position (the accept head's input).
+    target_logits: [..., k, V]  target logits predicting the same tokens (may be a strided view).
+    valid:         [..., k] bool, True where the position exists and is supervised; a prefix mask along k.
     """
 
     logits: Tensor
@@ -32,14 +34,45 @@ class DraftOutput:
     valid: Tensor
 
     def __post_init__(self):
-        K = self.valid.shape[-1]
+        k = self.valid.shape[-1]
         lead = self.valid.shape
         assert self.logits.shape[:-1] == lead, f"logits {tuple(self.logits.shape)} vs valid {tuple(lead)}"
         assert self.hidden.shape[:-1] == lead, f"hidden {tuple(self.hidden.shape)} vs valid {tuple(lead)}"
         assert self.target_logits.shape[:-1] == lead, (
             f"target_logits {tuple(self.target_logits.shape)} vs valid {tuple(lead)}"
         )
-        assert K >= 1 and self.valid.dtype == torch.bool
+        assert k >= 1 and self.valid.dtype == torch.bool
+
+
+def batch_field(batch: Any, name: str, required: bool = True) -> Tensor | None:
+    """``batch[name]`` of a mapping, else ``batch.name`` (a ``Batch``); a missing required field fails."""
+    value = batch.get(name) if isinstance(batch, Mapping) else getattr(batch, name, None)
+    if value is None and required:
+        raise ValueError(f"batch has no {name!r}")
+    return value
+
+
+_C = TypeVar("_C", bound="SavedConfig")
+
+
+class SavedConfig:
+    """``to_dict`` / ``from_dict`` of a drafter's frozen config dataclass, the form every checkpoint
+    saves (``drafter.json``); both drafters' configs inherit them."""
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict (``target_layer_ids`` as a list)."""
+        d = asdict(self)
+        d["target_layer_ids"] = list(self.target_layer_ids)
+        return d
+
+    @classmethod
+    def from_dict(cls: type[_C], d: Mapping[str, Any]) -> _C:
+        """Inverse of ``to_dict``; unknown keys fail loudly."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"{cls.__name__}: unknown keys {unknown} (known: {sorted(known)})")
+        return cls(**dict(d))
 
 
 class Linear(nn.Linear):

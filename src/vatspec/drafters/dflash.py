@@ -12,19 +12,19 @@ Architecture (as z-lab/dflash builds it; parameter names are the served ``DFlash
     hidden = norm(h_block); logits = target.lm_head(hidden) in float32 (draft vocab = target vocab)
 
 The drafter owns no embedding and no lm_head: it reads the target's (frozen), kept outside its
-parameters and state_dict by ``attach_target``. Slot k of a block predicts the token k places after
-the anchor; slot 0 (the anchor itself) is never used, so a chain has K = B - 1 positions.
+parameters and state_dict by ``attach_target``. Slot j of a block predicts the token j places after
+the anchor; slot 0 (the anchor itself) is never used, so a chain has k = B - 1 positions.
 
 Training flow (what ``vatspec.drafters.plan_batch`` and the loop do)
 --------------------------------------------------------------------
     anchors = drafter.sample_anchors(batch, num_anchors, generator)      # Anchors([B, A], [B, A])
     at      = drafter.logits_positions(batch, anchors)                   # bool [B, T]
     tout    = target(input_ids, attention_mask, drafter.target_layer_ids, logits_at=at)  # logits [N, V]
-    out     = drafter.training_forward(batch, tout, anchors)             # DraftOutput, chains [B, A, K]
+    out     = drafter.training_forward(batch, tout, anchors)             # DraftOutput, chains [B, A, k]
 
 All blocks of a sequence share one forward pass; an attention mask lets block j see the context
 strictly before its anchor and its own block, never another block. The target is asked for logits
-only at the N positions the blocks predict (anchor + k - 1), not a full [B, T, V].
+only at the N positions the blocks predict (anchor + j - 1), not a full [B, T, V].
 
 Inference (batch size 1)
 ------------------------
@@ -39,14 +39,14 @@ then runs the B block tokens through the layers once.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from vatspec.drafters.base import AcceptHead, DraftOutput, Linear
+from vatspec.drafters.base import AcceptHead, DraftOutput, Linear, SavedConfig, batch_field
 from vatspec.drafters.layers import MLP, RMSNorm, apply_rope, rope_cos_sin, rope_init, rope_parameters
 from vatspec.drafters.sampling import Proposal, sample, warp_logits
 from vatspec.target import Target, TargetOutput
@@ -121,8 +121,9 @@ def _chat_template_ids(tokenizer: Any) -> set[int]:
 
 # ----------------------------------------------------------------------------- config
 @dataclass(frozen=True)
-class DFlashConfig:
-    """Everything needed to rebuild the drafter; sizes default to the target's (``from_target``)."""
+class DFlashConfig(SavedConfig):
+    """Everything needed to rebuild the drafter; sizes default to the target's (``from_target``); saved
+    with every checkpoint (``to_dict``)."""
 
     target_layer_ids: tuple[int, ...]
     num_target_layers: int
@@ -210,18 +211,10 @@ class DFlashConfig:
         kw.update(overrides)
         return cls(**kw)
 
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["target_layer_ids"] = list(self.target_layer_ids)
-        return d
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> DFlashConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"DFlashConfig: unknown keys {unknown} (known: {sorted(known)})")
-        return cls(**d)
+    @property
+    def k(self) -> int:
+        """Drafted positions per chain (training) and per decode round: the block minus its anchor slot."""
+        return self.block_size - 1
 
 
 class Anchors(NamedTuple):
@@ -333,6 +326,11 @@ class DFlashDrafter(nn.Module):
         self._target = target
 
     @property
+    def k(self) -> int:
+        """Drafted positions per chain and per decode round (``config.k``)."""
+        return self.config.k
+
+    @property
     def target(self) -> Target:
         if self._target is None:
             raise RuntimeError("DFlashDrafter has no target: call attach_target(target) first")
@@ -399,10 +397,10 @@ class DFlashDrafter(nn.Module):
         return Anchors(positions.masked_fill(~valid, 0), valid)
 
     def chain_valid(self, batch: Any, anchors: Anchors) -> Tensor:
-        """``[B, A, K]`` bool prefix mask: label position anchor + k exists, is attended and supervised."""
+        """``[B, A, k]`` bool prefix mask: label position anchor + j exists, is attended and supervised."""
         _, attn, loss = _batch_tensors(batch)
         T = attn.shape[1]
-        lab = _label_positions(anchors.positions, self.block_size)  # [B, A, K]
+        lab = _label_positions(anchors.positions, self.block_size)  # [B, A, k]
         ok = (lab < T) & anchors.valid[..., None]
         lab = lab.clamp(max=T - 1)
         ok &= _gather_bt(attn, lab) & _gather_bt(loss, lab)
@@ -410,11 +408,11 @@ class DFlashDrafter(nn.Module):
 
     @torch.no_grad()
     def logits_positions(self, batch: Any, anchors: Anchors) -> Tensor:
-        """bool ``[B, T]``: where the target's logits are needed (anchor + k - 1 for every valid slot)."""
+        """bool ``[B, T]``: where the target's logits are needed (anchor + j - 1 for every valid slot j)."""
         input_ids, _, _ = _batch_tensors(batch)
         B, T = input_ids.shape
         valid = self.chain_valid(batch, anchors)
-        pos = _label_positions(anchors.positions, self.block_size) - 1  # [B, A, K]
+        pos = _label_positions(anchors.positions, self.block_size) - 1  # [B, A, k]
         flat = (torch.arange(B, device=pos.device)[:, None, None] * T + pos.clamp(0, T - 1))[valid]
         at = torch.zeros(B * T, dtype=torch.bool, device=input_ids.device)
         at[flat] = True
@@ -429,21 +427,21 @@ class DFlashDrafter(nn.Module):
         num_anchors: int | None = None,
         generator: torch.Generator | None = None,
     ) -> DraftOutput:
-        """All blocks of the batch in one pass -> DraftOutput with chains ``[B, A]`` and K = B - 1.
+        """All blocks of the batch in one pass -> DraftOutput with chains ``[B, A]`` and k = B - 1.
 
         ``batch``: input_ids / attention_mask / loss_mask ``[B, T]`` (attributes or keys).
         ``tout``: features ``[B, T, n*H_t]`` of ``target_layer_ids``; logits either ``[N, V]`` at
         ``logits_positions(batch, anchors)`` or ``[B, T, V]``. Without ``anchors``, samples
         ``num_anchors`` per sequence (then pass full logits or the matching ``logits_at``).
 
-        Returns logits ``[B, A, K, V]`` (float32), hidden ``[B, A, K, H]`` = the drafter's last
-        hidden state after the final norm (the accept head's input), target_logits ``[B, A, K, V]``
-        (the target's logits at anchor + k - 1, i.e. predicting the token at anchor + k), valid
-        ``[B, A, K]``.
+        Returns logits ``[B, A, k, V]`` (float32), hidden ``[B, A, k, H]`` = the drafter's last
+        hidden state after the final norm (the accept head's input), target_logits ``[B, A, k, V]``
+        (the target's logits at anchor + j - 1, i.e. predicting the token at anchor + j), valid
+        ``[B, A, k]``.
         """
         input_ids, attn, _ = _batch_tensors(batch)
         B, T = input_ids.shape
-        Bs, K = self.block_size, self.block_size - 1
+        Bs, k = self.block_size, self.k
         if anchors is None:
             if num_anchors is None:
                 raise ValueError("training_forward needs anchors or num_anchors")
@@ -479,13 +477,13 @@ class DFlashDrafter(nn.Module):
         # 4. draft
         hidden = self.run_block(ids.view(B, A * Bs), qpos, ctx_kv, mask).view(B, A, Bs, -1)[:, :, 1:]
         hidden = hidden.contiguous()  # lm_head on a strided view runs as a 4x slower bmm on CPU
-        logits = self.compute_logits(hidden)  # [B, A, K, V]
+        logits = self.compute_logits(hidden)  # [B, A, k, V]
 
-        # 5. target logits predicting anchor + k come from position anchor + k - 1
-        valid = self.chain_valid(batch, anchors)  # [B, A, K]
+        # 5. target logits predicting anchor + j come from position anchor + j - 1
+        valid = self.chain_valid(batch, anchors)  # [B, A, k]
         tpos = (_label_positions(pos, Bs) - 1).clamp(0, T - 1)
         target_logits = self._gather_target_logits(batch, anchors, tout.logits, tpos, valid)
-        assert logits.shape[:3] == (B, A, K)
+        assert logits.shape[:3] == (B, A, k)
         return DraftOutput(logits=logits, hidden=hidden, target_logits=target_logits, valid=valid)
 
     forward = training_forward
@@ -493,7 +491,7 @@ class DFlashDrafter(nn.Module):
     def _gather_target_logits(
         self, batch: Any, anchors: Anchors, tl: Tensor | None, tpos: Tensor, valid: Tensor
     ) -> Tensor:
-        B, A, K = tpos.shape
+        B, A, k = tpos.shape
         if tl is None:
             raise ValueError("tout.logits is None: DFlash needs the target's logits (logits_at=logits_positions)")
         if tl.dim() == 3:  # full [B, T, V]
@@ -506,10 +504,10 @@ class DFlashDrafter(nn.Module):
                 "call the target with logits_at=drafter.logits_positions(batch, anchors) for these anchors"
             )
         if N == 0:
-            return tl.new_zeros(B, A, K, tl.shape[-1])
+            return tl.new_zeros(B, A, k, tl.shape[-1])
         row = at.view(-1).long().cumsum(0).view(at.shape) - 1  # [B, T] -> row of tl, -1 if not selected
         idx = _gather_bt(row, tpos).masked_fill(~valid, 0)
-        return tl[idx]  # [B, A, K, V]
+        return tl[idx]  # [B, A, k, V]
 
     # ------------------------------------------------------------------ inference
     def new_session(self, head: AcceptHead | None = None, exit_threshold: float | None = None) -> DFlashSession:
@@ -583,12 +581,11 @@ class DFlashSession:
         top_p: float = 1.0,
         generator: torch.Generator | None = None,
     ) -> Proposal:
-        """Draft slots 1..k (k <= B-1). Greedy at temperature 0 (q None), else sample each slot from
+        """Draft slots 1..k (k <= drafter.k = B-1). Greedy at temperature 0 (q None), else sample each slot from
         ``q = warp_logits(logits)``. With an accept head, ``head_probs`` = sigmoid(head(hidden)); with
         an exit threshold as well, keep only the leading slots whose prob >= threshold (k' may be 0)."""
-        K = self.drafter.block_size - 1
-        if not 0 <= k <= K:
-            raise ValueError(f"k must be in [0, {K}] (block_size - 1), got {k}")
+        if not 0 <= k <= self.drafter.k:
+            raise ValueError(f"k must be in [0, {self.drafter.k}] (drafter.k = block_size - 1), got {k}")
         logits, hidden = self.draft_block()
         logits, hidden = logits[:k], hidden[:k]  # [k, V], [k, H]
         head_probs = None
@@ -611,24 +608,20 @@ class DFlashSession:
 # ----------------------------------------------------------------------------- helpers
 def _batch_tensors(batch: Any) -> tuple[Tensor, Tensor, Tensor]:
     """(input_ids long, attention_mask bool, loss_mask bool), each ``[B, T]``; attributes or keys."""
-
-    def get(name: str) -> Tensor:
-        return batch[name] if isinstance(batch, Mapping) else getattr(batch, name)
-
-    input_ids = get("input_ids")
+    input_ids = batch_field(batch, "input_ids")
     assert input_ids.dim() == 2, f"batch.input_ids must be [B, T], got {tuple(input_ids.shape)}"
-    attn, loss = get("attention_mask").bool(), get("loss_mask").bool()
+    attn, loss = batch_field(batch, "attention_mask").bool(), batch_field(batch, "loss_mask").bool()
     assert attn.shape == loss.shape == input_ids.shape, "attention_mask / loss_mask must match input_ids [B, T]"
     return input_ids, attn, loss
 
 
 def _label_positions(positions: Tensor, block_size: int) -> Tensor:
-    """``[B, A] -> [B, A, K]``: anchor + k for slots k = 1..block_size-1."""
+    """``[B, A] -> [B, A, k]``: anchor + j for slots j = 1..block_size-1."""
     return positions[..., None] + torch.arange(1, block_size, device=positions.device)
 
 
 def _gather_bt(x: Tensor, idx: Tensor) -> Tensor:
-    """``x [B, T, ...]`` at ``idx [B, A, K]`` (per batch row) -> ``[B, A, K, ...]``."""
+    """``x [B, T, ...]`` at ``idx [B, A, k]`` (per batch row) -> ``[B, A, k, ...]``."""
     B = x.shape[0]
     return x[torch.arange(B, device=x.device)[:, None, None], idx]
 

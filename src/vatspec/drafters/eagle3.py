@@ -11,11 +11,11 @@ Architecture (the served HF ``LlamaForCausalLMEagle3`` layout; parameter names a
 ``embed`` is the target's input embedding, frozen and deliberately *not* a submodule: it is not in
 ``state_dict()``, ``parameters()`` or DDP. ``attach_target`` keeps a reference.
 
-Alignment of the training-time test (TTT) unroll, K = ``ttt_steps`` (checked against SpecForge
+Alignment of the training-time test (TTT) unroll of k = ``ttt_steps`` steps (checked against SpecForge
 ``specforge/core/eagle3.py``: ``target`` and ``input_ids`` are shifted left once before step 0 and
 once more after every step, the hidden state is not shifted)::
 
-    chain index t, step i = 0..K-1:
+    chain index t, step i = 0..k-1:
       reads   f_t (step 0 only, through fc) or its own step-(i-1) output at index t,
               and the teacher-forced token x_{t+1+i}; RoPE position t + i
       attends step-0 keys of indexes 0..t (causal), plus its own keys of steps 1..i at index t
@@ -33,14 +33,14 @@ from __future__ import annotations
 
 import copy
 import warnings
-from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
 from transformers.activations import ACT2FN
 
-from vatspec.drafters.base import AcceptHead, DraftOutput, Linear
+from vatspec.drafters.base import AcceptHead, DraftOutput, Linear, SavedConfig, batch_field
 from vatspec.drafters.layers import (
     MLP,
     ROPE_TYPES,
@@ -54,6 +54,7 @@ from vatspec.drafters.sampling import Proposal, sample, warp_logits
 from vatspec.drafters.vocab import check_draft_vocab, target_ids
 
 _ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+DEFAULT_TTT_STEPS = 7  # the reference unroll: k = 7 drafted positions per chain in training and per decode round
 
 
 # ----------------------------------------------------------------------------- config
@@ -85,11 +86,11 @@ def rope_from_config(cfg) -> tuple[float, dict | None]:
             stacklevel=2,
         )
         return theta, None
-    return theta, {"rope_type": rope_type, **{k: scaling[k] for k in _ROPE_KEYS if k in scaling}}
+    return theta, {"rope_type": rope_type, **{key: scaling[key] for key in _ROPE_KEYS if key in scaling}}
 
 
 @dataclass(frozen=True)
-class Eagle3Config:
+class Eagle3Config(SavedConfig):
     """Everything that shapes an EAGLE-3 draft; saved with every checkpoint (``to_dict``)."""
 
     hidden_size: int
@@ -103,7 +104,7 @@ class Eagle3Config:
     vocab_size: int  # target vocabulary V
     draft_vocab_size: int  # Vd <= V
     target_layer_ids: tuple[int, ...]  # our convention: output of decoder layer i
-    ttt_steps: int = 7
+    ttt_steps: int = DEFAULT_TTT_STEPS  # the reference trainers' name; everything downstream reads ``k``
     max_position_embeddings: int = 2048
     hidden_act: str = "silu"
     rope_scaling: dict | None = field(default=None, hash=False)  # {"rope_type": "linear"|"llama3", ...}
@@ -134,7 +135,7 @@ class Eagle3Config:
         cls,
         target,
         draft_vocab_size: int = 32000,
-        ttt_steps: int = 7,
+        ttt_steps: int = DEFAULT_TTT_STEPS,
         target_layer_ids: Sequence[int] | None = None,
     ) -> Eagle3Config:
         """Reference shapes for ``target``: draft width = target width, the target's attention
@@ -165,20 +166,10 @@ class Eagle3Config:
             rope_scaling=scaling,
         )
 
-    def to_dict(self) -> dict:
-        """JSON-ready dict (``target_layer_ids`` as a list)."""
-        d = asdict(self)
-        d["target_layer_ids"] = list(self.target_layer_ids)
-        return d
-
-    @classmethod
-    def from_dict(cls, d: Mapping) -> Eagle3Config:
-        """Inverse of ``to_dict``; unknown keys fail loudly."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"Eagle3Config: unknown keys {unknown} (known: {sorted(known)})")
-        return cls(**dict(d))
+    @property
+    def k(self) -> int:
+        """Drafted positions per chain (training) and per decode round: the TTT steps."""
+        return self.ttt_steps
 
 
 # ----------------------------------------------------------------------------- layers
@@ -211,8 +202,8 @@ def attention(
     k: Tensor,  # [B, nkv, S, hd]
     v: Tensor,  # [B, nkv, S, hd]
     visible: Tensor | None = None,  # bool, broadcastable to [B, nkv, g, Q, S]; True = may attend
-    kd: Tensor | None = None,  # [B, nkv, Q, J, hd]: J extra keys per query (the TTT diagonal), always visible
-    vd: Tensor | None = None,  # [B, nkv, Q, J, hd]
+    k_diag: Tensor | None = None,  # [B, nkv, Q, J, hd]: J extra keys per query (the TTT diagonal), always visible
+    v_diag: Tensor | None = None,  # [B, nkv, Q, J, hd]
 ) -> Tensor:  # [B, nkv, g, Q, hd]
     """Softmax attention over shared keys plus per-query extra keys, softmax in float32.
 
@@ -221,14 +212,14 @@ def attention(
     s = torch.matmul(q, k.unsqueeze(-3).transpose(-1, -2)) * scale  # [B, nkv, g, Q, S]
     if visible is not None:
         s = s.masked_fill(~visible, float("-inf"))
-    if kd is not None:
-        sd = torch.einsum("bkgqd,bkqjd->bkgqj", q, kd) * scale  # [B, nkv, g, Q, J]
+    if k_diag is not None:
+        sd = torch.einsum("bkgqd,bkqjd->bkgqj", q, k_diag) * scale  # [B, nkv, g, Q, J]
         s = torch.cat([s, sd], dim=-1)
     p = torch.softmax(s.float(), dim=-1).to(q.dtype)
     S = k.shape[-2]
     out = torch.matmul(p[..., :S], v.unsqueeze(-3))  # [B, nkv, g, Q, hd]
-    if kd is not None:
-        out = out + torch.einsum("bkgqj,bkqjd->bkgqd", p[..., S:], vd)
+    if k_diag is not None:
+        out = out + torch.einsum("bkgqj,bkqjd->bkgqd", p[..., S:], v_diag)
     return out
 
 
@@ -261,18 +252,18 @@ class _UnrollAttend:
         self.visible = visible  # bool [B, 1, 1, T, T]
         self.k0: Tensor | None = None
         self.v0: Tensor | None = None
-        self.kd: list[Tensor] = []
-        self.vd: list[Tensor] = []
+        self.k_diag: list[Tensor] = []
+        self.v_diag: list[Tensor] = []
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         if self.k0 is None:
             self.k0, self.v0 = k, v
             return attention(q, k, v, self.visible)
-        self.kd.append(k)
-        self.vd.append(v)
-        kd = torch.stack(self.kd, dim=-2)  # [B, nkv, T, i, hd]
-        vd = torch.stack(self.vd, dim=-2)
-        return attention(q, self.k0, self.v0, self.visible, kd, vd)
+        self.k_diag.append(k)
+        self.v_diag.append(v)
+        k_diag = torch.stack(self.k_diag, dim=-2)  # [B, nkv, T, i, hd]
+        v_diag = torch.stack(self.v_diag, dim=-2)
+        return attention(q, self.k0, self.v0, self.visible, k_diag, v_diag)
 
 
 # ----------------------------------------------------------------------------- drafter
@@ -280,7 +271,7 @@ class Eagle3Drafter(nn.Module):
     """EAGLE-3 draft model. Training: ``training_forward``; inference: ``new_session``."""
 
     kind = "eagle3"
-    schedule = "eagle3"  # fixed-weight curve of the losses: 0.8 ** (k - 1)
+    schedule = "eagle3"  # fixed-weight curve of the losses: 0.8 ** j at 0-based position j
 
     def __init__(self, config: Eagle3Config):
         super().__init__()
@@ -311,6 +302,11 @@ class Eagle3Drafter(nn.Module):
     @property
     def target_layer_ids(self) -> tuple[int, ...]:
         return self.config.target_layer_ids
+
+    @property
+    def k(self) -> int:
+        """Drafted positions per chain and per decode round (``config.k``)."""
+        return self.config.k
 
     def __deepcopy__(self, memo: dict) -> Eagle3Drafter:
         """Copies share the target's embedding instead of duplicating it."""
@@ -380,25 +376,25 @@ class Eagle3Drafter(nn.Module):
         Returns a ``DraftOutput`` over chains t = 0 .. T' - 1, T' = T - 2: every chain start whose
         step-0 label x_{t+2} exists, so each supervised token (the end-of-turn tokens at the end of a
         sequence included) is step 0 of one chain. Steps whose label would lie past the sequence
-        end (t + 2 + i >= T, the last K - 2 chains) are computed on padding and are invalid.
-          logits        [B, T', K, Vd]  draft logits (the draft's dtype)
-          hidden        [B, T', K, H]   the *post-norm* final hidden state (what lm_head and the
+        end (t + 2 + i >= T, the last k - 2 chains) are computed on padding and are invalid.
+          logits        [B, T', k, Vd]  draft logits (the draft's dtype)
+          hidden        [B, T', k, H]   the *post-norm* final hidden state (what lm_head and the
                                         accept head read)
-          target_logits [B, T', K, V]   [b, t, i] = logits[b, t + 1 + i] where t + 1 + i < T, zeros
-                                        past the end: a strided view (K <= 2: of ``tout.logits``
-                                        itself; else of one copy of its rows 1.. padded with K - 2
-                                        zero rows, i.e. [B, T + K - 3, V], never [B, T', K, V])
-          valid         [B, T', K]      prefix mask (cumprod over i) of: indexes t and t+1 are real
+          target_logits [B, T', k, V]   [b, t, i] = logits[b, t + 1 + i] where t + 1 + i < T, zeros
+                                        past the end: a strided view (k <= 2: of ``tout.logits``
+                                        itself; else of one copy of its rows 1.. padded with k - 2
+                                        zero rows, i.e. [B, T + k - 3, V], never [B, T', k, V])
+          valid         [B, T', k]      prefix mask (cumprod over i) of: indexes t and t+1 are real
                                         tokens, label position t+2+i < T, attention_mask and
                                         loss_mask true there
         Whether the target's argmax lies in the draft vocabulary is left to the losses (t2d).
         """
-        input_ids = _field(batch, "input_ids")
+        input_ids = batch_field(batch, "input_ids")
         B, T = input_ids.shape
-        attention_mask = _field(batch, "attention_mask", required=False)
+        attention_mask = batch_field(batch, "attention_mask", required=False)
         am = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
-        lm = _field(batch, "loss_mask").bool()
-        K = self.config.ttt_steps
+        lm = batch_field(batch, "loss_mask").bool()
+        k = self.config.k
         Tc = T - 2  # chain starts t with a step-0 label x_{t+2}
         if Tc < 1:
             raise ValueError(
@@ -417,7 +413,7 @@ class Eagle3Drafter(nn.Module):
 
         dev = self.fc.weight.device
         am, lm, input_ids = am.to(dev), lm.to(dev), input_ids.to(dev)
-        pad = max(0, K - 2)  # rows read past the sequence end: step K - 1 of chain T' - 1 reads x_{T+K-3}
+        pad = max(0, k - 2)  # rows read past the sequence end: step k - 1 of chain T' - 1 reads x_{T+k-3}
         # 1. inputs: h_0 = fc(f_t); step i at index t reads x_{t+1+i} = emb[:, t+i]. Past x_{T-1} the
         # embedding is zero; only (t, i) with t + 1 + i >= T read it, and those are invalid, as is
         # everything that sees them: their keys (steps >= 1) are seen only by later steps of the
@@ -432,23 +428,23 @@ class Eagle3Drafter(nn.Module):
         attend = _UnrollAttend(visible[:, None, None])  # [B, 1, 1, T', T']
         # 3. unroll: the pre-norm output is the next step's h
         logits, hidden = [], []
-        for i in range(K):
+        for i in range(k):
             cos, sin = self._rope(idx + i)  # RoPE position t + i
             h = self.midlayer(emb[:, i : i + Tc], h, cos, sin, attend)
             hn = self.norm(h)
             hidden.append(hn)
             logits.append(self.lm_head(hn))
-        # 4. targets and supervision, aligned to [b, t, i]. Rows t + 1 + i run to T + K - 3, K - 2 past
-        # the end: a strided view cannot reach past its storage, so for K > 2 the rows are copied
-        # once with zero padding ([B, T + K - 3, V], the logits' own size plus K - 2 rows); zeros,
+        # 4. targets and supervision, aligned to [b, t, i]. Rows t + 1 + i run to T + k - 3, k - 2 past
+        # the end: a strided view cannot reach past its storage, so for k > 2 the rows are copied
+        # once with zero padding ([B, T + k - 3, V], the logits' own size plus k - 2 rows); zeros,
         # not -inf, keep the unused softmaxes finite (a NaN there would reach the gradient).
         rows = logits_t[:, 1:]  # [B, T-1, V]
         if pad:
             rows = torch.nn.functional.pad(rows, (0, 0, 0, pad))  # [B, T-1+pad, V]
-        target_logits = rows.unfold(1, K, 1)[:, :Tc].transpose(-1, -2)  # [B, T', K, V], a view of rows
+        target_logits = rows.unfold(1, k, 1)[:, :Tc].transpose(-1, -2)  # [B, T', k, V], a view of rows
         with torch.no_grad():
-            sup = torch.nn.functional.pad(am & lm, (0, K - 1), value=False)  # [B, T+K-1], out of range = False
-            label_ok = sup[:, 2:].unfold(1, K, 1)  # [B, T', K]: sup at t + 2 + i
+            sup = torch.nn.functional.pad(am & lm, (0, k - 1), value=False)  # [B, T+k-1], out of range = False
+            label_ok = sup[:, 2:].unfold(1, k, 1)  # [B, T', k]: sup at t + 2 + i
             start_ok = am[:, :Tc] & am[:, 1 : Tc + 1]  # [B, T']: f_t and x_{t+1} are real
             valid = (start_ok[..., None] & label_ok).long().cumprod(-1).bool()
         return DraftOutput(
@@ -462,13 +458,6 @@ class Eagle3Drafter(nn.Module):
     def new_session(self, head: AcceptHead | None = None, exit_threshold: float | None = None) -> Eagle3Session:
         """An inference session for one sequence (batch size 1). See ``Eagle3Session``."""
         return Eagle3Session(self, head=head, exit_threshold=exit_threshold)
-
-
-def _field(batch, name: str, required: bool = True):
-    value = batch.get(name) if isinstance(batch, Mapping) else getattr(batch, name, None)
-    if value is None and required:
-        raise ValueError(f"batch has no {name!r}")
-    return value
 
 
 # ----------------------------------------------------------------------------- inference

@@ -14,7 +14,8 @@ from torch import Tensor
 
 from vatspec.drafters.base import AcceptHead
 from vatspec.drafters.dflash import DFlashConfig, DFlashDrafter, default_target_layer_ids
-from vatspec.drafters.eagle3 import Eagle3Config, Eagle3Drafter, default_layer_ids
+from vatspec.drafters.eagle3 import DEFAULT_TTT_STEPS, Eagle3Config, Eagle3Drafter, default_layer_ids
+from vatspec.drafters.layers import rope_parameters
 from vatspec.drafters.vocab import check_draft_vocab
 from vatspec.export.formats import (
     CONFIG,
@@ -31,16 +32,17 @@ from vatspec.export.formats import (
 
 
 # ----------------------------------------------------------------------------- import
-def import_draft(path: str | Path, target, *, ttt_steps: int | None = None,
+def import_draft(path: str | Path, target, *, k: int | None = None,
                  device: str | torch.device | None = None):
     """A served draft folder (any of the three formats, ours or third-party) -> this project's drafter,
-    attached to ``target``, in float32, in eval mode. EAGLE-3 TTT steps: ``ttt_steps``, else the
-    speculators ``speculative_tokens``, else 7 (a training setting the HF format does not record)."""
+    attached to ``target``, in float32, in eval mode. EAGLE-3 only, its ``k`` (TTT steps): ``k``, else
+    the speculators ``speculative_tokens``, else ``DEFAULT_TTT_STEPS`` (a training setting the HF format
+    does not record); a DFlash draft's k is its block_size - 1."""
     path = Path(path)
     src = str(path / CONFIG)
     cfg = read_json(path / CONFIG)
     fmt = detect_format(cfg, src)
-    weights = {internal_name(fmt, k): v for k, v in _read_weights(path).items()}
+    weights = {internal_name(fmt, name): v for name, v in _read_weights(path).items()}
     emb = weights.pop("embed_tokens.weight", None)  # speculators' converter adds the verifier's embedding
     if emb is not None and not (emb.shape == target.embed_tokens.weight.shape and torch.allclose(
             emb.float(), target.embed_tokens.weight.detach().float().cpu(), atol=1e-2)):
@@ -49,7 +51,7 @@ def import_draft(path: str | Path, target, *, ttt_steps: int | None = None,
     if fmt == "dflash":
         drafter = DFlashDrafter(_dflash_config(cfg, target, src))
     else:
-        drafter = Eagle3Drafter(_eagle3_config(fmt, cfg, target, src, ttt_steps))
+        drafter = Eagle3Drafter(_eagle3_config(fmt, cfg, target, src, k))
         c = drafter.config
         if "d2t" not in weights and "t2d" not in weights and c.draft_vocab_size == c.vocab_size:
             weights["d2t"], weights["t2d"] = drafter.d2t.clone(), torch.ones(c.vocab_size, dtype=torch.bool)
@@ -71,18 +73,7 @@ def _fit(src: str, name: str, have, want) -> None:
         raise ExportError(f"{src}: {name}={have} does not match the target ({want})")
 
 
-def _rope(lc: dict) -> tuple[float, dict | None]:
-    rp = lc.get("rope_parameters")
-    if isinstance(rp, dict) and "rope_theta" in rp:  # transformers 5 layout
-        theta, scaling = float(rp["rope_theta"]), {k: v for k, v in rp.items() if k != "rope_theta"}
-    else:
-        theta, scaling = float(lc.get("rope_theta", 10000.0)), dict(lc.get("rope_scaling") or {})
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    return theta, (None if kind == "default" else {"rope_type": kind, **{k: v for k, v in scaling.items()
-                                                                        if k not in ("type", "rope_type")}})
-
-
-def _eagle3_config(fmt: str, cfg: dict, target, src: str, ttt_steps: int | None) -> Eagle3Config:
+def _eagle3_config(fmt: str, cfg: dict, target, src: str, k: int | None) -> Eagle3Config:
     lc = cfg.get("transformer_layer_config") if fmt == "speculators" else cfg
     if not isinstance(lc, dict):
         raise ExportError(f"{src}: transformer_layer_config is missing")
@@ -117,18 +108,18 @@ def _eagle3_config(fmt: str, cfg: dict, target, src: str, ttt_steps: int | None)
         ids = list(default_layer_ids(target.num_layers))
     if len(ids) != 3 or min(ids) < 0 or max(ids) >= target.num_layers:
         raise ExportError(f"{src}: layer ids {ids} (output of layer i) do not fit a {target.num_layers}-layer target")
-    if ttt_steps is None and fmt == "speculators":
+    if k is None and fmt == "speculators":
         methods = (cfg.get("speculators_config") or {}).get("proposal_methods") or [{}]
-        ttt_steps = methods[0].get("speculative_tokens")
+        k = methods[0].get("speculative_tokens")
     nh = lc["num_attention_heads"]
-    theta, scaling = _rope(lc)
+    theta, scaling = rope_parameters(lc)
     try:
         return Eagle3Config(
             hidden_size=H, target_hidden_size=cfg.get("target_hidden_size") or H, num_heads=nh,
             num_kv_heads=lc.get("num_key_value_heads") or nh, head_dim=lc.get("head_dim") or H // nh,
             intermediate_size=lc["intermediate_size"], rms_norm_eps=float(lc.get("rms_norm_eps", 1e-6)),
             rope_theta=theta, vocab_size=V, draft_vocab_size=cfg.get("draft_vocab_size") or V, target_layer_ids=ids,
-            ttt_steps=int(ttt_steps or 7), max_position_embeddings=int(lc.get("max_position_embeddings", 2048)),
+            ttt_steps=int(k or DEFAULT_TTT_STEPS), max_position_embeddings=int(lc.get("max_position_embeddings", 2048)),
             hidden_act=lc.get("hidden_act", "silu"), rope_scaling=scaling,
         )
     except ValueError as e:
@@ -166,7 +157,7 @@ def _dflash_config(cfg: dict, target, src: str) -> DFlashConfig:
             raise ExportError(f"{src}: dflash_config.mask_token_id is missing and the target's tokenizer "
                               f"has no {mask!r}")
     nh = cfg["num_attention_heads"]
-    theta, scaling = _rope(cfg)
+    theta, scaling = rope_parameters(cfg)
     try:
         return DFlashConfig(
             target_layer_ids=tuple(ids), num_target_layers=NT, target_hidden_size=cfg.get("target_hidden_size") or H,

@@ -43,12 +43,13 @@ def _layer_fields(c: Eagle3Config | DFlashConfig, num_layers: int) -> dict:
     }
 
 
-def build_config(fmt: str, drafter, target, dtype: str, *, speculative_tokens: int | None = None,
+def build_config(fmt: str, drafter, target, dtype: str, *, k: int | None = None,
                  verifier: str | None = None) -> dict:
     """The config.json of ``drafter`` in format ``fmt`` (see the module docstring for the ids).
 
-    speculators only: ``speculative_tokens`` per round (default: the TTT steps) and ``verifier``, the
-    target name vLLM loads when serving the draft folder alone (default: the target's path)."""
+    speculators only: ``k`` tokens drafted per round, written as ``speculative_tokens`` (default:
+    ``drafter.k``, the TTT steps) and ``verifier``, the target name vLLM loads when serving the draft
+    folder alone (default: the target's path)."""
     c = drafter.config
     ids = [int(i) for i in c.target_layer_ids]
     if fmt == "dflash":
@@ -67,7 +68,7 @@ def build_config(fmt: str, drafter, target, dtype: str, *, speculative_tokens: i
                 "eagle_config": {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": ids},
                 "eagle_aux_hidden_state_layer_ids": to_vllm_ids(ids)}
     cfg = getattr(target.model, "config", None)
-    proposal = {"proposal_type": "greedy", "speculative_tokens": int(speculative_tokens or c.ttt_steps),
+    proposal = {"proposal_type": "greedy", "speculative_tokens": int(k or drafter.k),
                 "verifier_accept_k": 1, "accept_tolerance": 0.0}
     verifier = {"name_or_path": verifier or target.path or getattr(cfg, "_name_or_path", None) or None,
                 "architectures": list(getattr(cfg, "architectures", None) or [])}
@@ -89,7 +90,7 @@ def export_draft(
     exit_threshold: float | None = None,
     dtype: str | None = None,
     force: bool = False,
-    speculative_tokens: int | None = None,
+    k: int | None = None,
     verifier: str | None = None,
 ) -> Path:
     """Write ``drafter`` (and ``head`` beside it) as a served draft folder; return the folder.
@@ -110,10 +111,10 @@ def export_draft(
         dtype = dtype_name(dtype or drafter.fc.weight.dtype)
     except ValueError as e:
         raise ExportError(str(e)) from None
-    cfg = build_config(fmt, drafter, target, dtype, speculative_tokens=speculative_tokens, verifier=verifier)
+    cfg = build_config(fmt, drafter, target, dtype, k=k, verifier=verifier)
     state = {
-        served_name(fmt, k): (v.to(DTYPES[dtype]) if v.is_floating_point() else v).detach().cpu().contiguous()
-        for k, v in drafter.state_dict().items()
+        served_name(fmt, name): (v.to(DTYPES[dtype]) if v.is_floating_point() else v).detach().cpu().contiguous()
+        for name, v in drafter.state_dict().items()
     }
 
     def write(folder: Path) -> None:

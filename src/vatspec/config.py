@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from vatspec.drafters.eagle3 import DEFAULT_TTT_STEPS
+from vatspec.drafters import DEFAULT_TTT_STEPS
 from vatspec.losses import LossConfig
 
 

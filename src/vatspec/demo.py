@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from vatspec.drafters.eagle3 import DEFAULT_TTT_STEPS
+from vatspec.drafters import DEFAULT_TTT_STEPS
 
 log = logging.getLogger(__name__)  # the steps as they run; `vatspec demo` prints them to stderr
 

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+DEFAULT_TTT_STEPS = 7  # the reference unroll: k = 7 drafted positions per chain in training and per decode round
+
 # kind -> (module, drafter class, config class)
 DRAFTERS: dict[str, tuple[str, str, str]] = {
     "eagle3": ("vatspec.drafters.eagle3", "Eagle3Drafter", "Eagle3Config"),

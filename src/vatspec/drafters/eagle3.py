@@ -40,6 +40,7 @@ import torch
 from torch import Tensor, nn
 from transformers.activations import ACT2FN
 
+from vatspec.drafters import DEFAULT_TTT_STEPS
 from vatspec.drafters.base import AcceptHead, DraftOutput, Linear, SavedConfig, batch_field
 from vatspec.drafters.layers import (
     MLP,
@@ -54,7 +55,6 @@ from vatspec.drafters.sampling import Proposal, sample, warp_logits
 from vatspec.drafters.vocab import check_draft_vocab, target_ids
 
 _ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-DEFAULT_TTT_STEPS = 7  # the reference unroll: k = 7 drafted positions per chain in training and per decode round
 
 
 # ----------------------------------------------------------------------------- config

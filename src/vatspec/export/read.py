@@ -12,9 +12,10 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import Tensor
 
+from vatspec.drafters import DEFAULT_TTT_STEPS
 from vatspec.drafters.base import AcceptHead
 from vatspec.drafters.dflash import DFlashConfig, DFlashDrafter, default_target_layer_ids
-from vatspec.drafters.eagle3 import DEFAULT_TTT_STEPS, Eagle3Config, Eagle3Drafter, default_layer_ids
+from vatspec.drafters.eagle3 import Eagle3Config, Eagle3Drafter, default_layer_ids
 from vatspec.drafters.layers import rope_parameters
 from vatspec.drafters.vocab import check_draft_vocab
 from vatspec.export.formats import (

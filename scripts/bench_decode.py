@@ -19,7 +19,7 @@ import sys
 import torch
 
 from vatspec.bench import AR, HF, evaluate, round_cost_table, write_report
-from vatspec.checkpoint import open_draft
+from vatspec.drafts import open_draft
 from vatspec.target import open_target
 
 PROMPTS = [

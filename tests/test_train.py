@@ -155,7 +155,7 @@ def test_lockstep_arms_equal_separate_runs(tiny_target_dir, data_file, tmp_path)
 
 
 def test_checkpoint_loads_for_decoding(tiny_target_dir, data_file, tmp_path):
-    from vatspec.checkpoint import open_draft
+    from vatspec.drafts import open_draft
     from vatspec.target import Target
 
     cfg = _cfg(tiny_target_dir, data_file, tmp_path / "run", "loss.kind=vat", "train.steps=1")
@@ -233,8 +233,8 @@ def test_ddp_two_cpu_processes_hold_identical_weights(tiny_target_dir, data_file
 @pytest.mark.parametrize("kind", ["eagle3", "dflash"])
 def test_trained_drafter_decodes_losslessly_with_and_without_early_exit(tiny_target_dir, data_file, tmp_path, kind):
     """T = 0 output equals HF generate() greedy for a VAT-trained drafter (head on), early exit on and off."""
-    from vatspec.checkpoint import open_draft
     from vatspec.decode import generate
+    from vatspec.drafts import open_draft
     from vatspec.target import Target
 
     cfg = _cfg(tiny_target_dir, data_file, tmp_path / "run", f"drafter.kind={kind}", "loss.kind=vat",

@@ -96,37 +96,8 @@ def resolve_checkpoint(path: str | Path) -> Path:
     raise CheckpointError(f"{path} is neither a checkpoint (no drafter.safetensors) nor a run folder (no latest)")
 
 
-def open_draft(path: str | Path, target, *, device: str | torch.device | None = None,
-               k: int | None = None) -> tuple[torch.nn.Module, AcceptHead | None]:
-    """The one way a command opens a draft -> ``(drafter, head | None)``, attached to ``target``, in eval mode.
-
-    path:      a training checkpoint (``drafter.safetensors``), a run folder (``latest`` names its newest
-               checkpoint) or an exported served draft (``config.json`` in any format of ``vatspec.export``,
-               ours or third-party; its accept head from ``accept_head/`` when there is one).
-    device:    default: the target's.
-    k:         EAGLE-3 only: replaces the draft's k (its TTT unroll length), e.g. the run's own
-               ``drafter.ttt_steps`` when fine-tuning a published draft (``vatspec train --init-from``).
-    Raises ``CheckpointError`` (``vatspec.export.ExportError``, a subclass, for a served folder) and
-    nothing else when ``path`` holds no draft or one that does not fit ``target``.
-    """
-    p = Path(path)
-    if not p.exists():
-        raise CheckpointError(f"{p} does not exist")
-    device = device or target.device
-    if (p / "drafter.safetensors").is_file() or (p / "latest").is_file():
-        return _load_checkpoint(resolve_checkpoint(p), target, device, k)
-    if (p / "config.json").is_file():
-        from vatspec.export.formats import HEAD_DIR
-        from vatspec.export.read import import_draft, load_accept_head
-
-        drafter = import_draft(p, target, k=k, device=device)
-        head = load_accept_head(p, device=device)[0] if (p / HEAD_DIR).is_dir() else None
-        return drafter, head
-    raise CheckpointError(f"{p} is neither a training checkpoint (drafter.safetensors), a run folder (latest) "
-                          "nor an exported draft (config.json)")
-
-
-def _load_checkpoint(ckpt: Path, target, device, k: int | None):
+def load_checkpoint_draft(ckpt: Path, target, device, k: int | None = None):
+    """A training checkpoint folder -> ``(drafter, head | None)`` on ``device``, in eval mode."""
     from vatspec.drafters import drafter_from_dict
 
     try:

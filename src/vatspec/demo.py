@@ -156,7 +156,7 @@ def _fmt(x, nd=2) -> str:
 def run_demo(out: Path, size: DemoSize, *, threads: int | None = None, progress: bool = True) -> dict:
     from vatspec import bench
     from vatspec.benchmarks import load_benchmark
-    from vatspec.checkpoint import open_draft
+    from vatspec.drafts import open_draft
     from vatspec.target import open_target, vatspec_home
     from vatspec.train import train_arms
 

@@ -361,7 +361,9 @@ def _build_arm(cfg: Config, target, counts, total: int, world: int, device, init
     )
     torch.manual_seed(cfg.train.seed)  # same init for every arm of a kind: a fair comparison
     if init_from:  # a training checkpoint, a run folder, or an exported served draft
-        drafter, _ = ckpt_io.open_draft(init_from, target, k=cfg.drafter.ttt_steps)  # EAGLE-3 k; DFlash ignores it
+        from vatspec.drafts import open_draft
+
+        drafter, _ = open_draft(init_from, target, k=cfg.drafter.ttt_steps)  # EAGLE-3 k; DFlash ignores it
         drafter.train()
         _check_init_from(drafter, cfg, init_from)
     else:

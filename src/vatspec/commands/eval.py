@@ -14,9 +14,10 @@ import torch
 
 from vatspec import benchmarks, data
 from vatspec.bench import evaluate, write_report
-from vatspec.checkpoint import CheckpointError, open_draft
+from vatspec.checkpoint import CheckpointError
 from vatspec.commands import DTYPE_METAVAR, dtype_arg, report
 from vatspec.data import DataError
+from vatspec.drafts import open_draft
 from vatspec.target import TargetError, open_target
 
 

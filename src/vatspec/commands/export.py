@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import argparse
 
-from vatspec.checkpoint import CheckpointError, open_draft, saved_config
+from vatspec.checkpoint import CheckpointError, saved_config
 from vatspec.commands import DTYPE_METAVAR, dtype_arg, report
+from vatspec.drafts import open_draft
 from vatspec.export import DEFAULT_FORMAT, FORMATS, export_draft, to_vllm_ids
 from vatspec.export.formats import HEAD_DIR
 from vatspec.target import TargetError, open_target

@@ -37,7 +37,7 @@ The defaults agree: EAGLE-3 outputs of 1, L//2-1, L-4 are SGLang's and vLLM's ``
 Import (``import_draft``) reads the three formats, including third-party drafts (bf16,
 ``pytorch_model.bin``, an ``embed_tokens.weight`` equal to the target's), into this project's
 drafter classes, and fails with the field at fault when the draft does not fit the target.
-Commands open any draft, served or a training checkpoint, with ``vatspec.checkpoint.open_draft``.
+Commands open any draft, served or a training checkpoint, with ``vatspec.drafts.open_draft``.
 """
 
 from vatspec.export.formats import (

@@ -141,6 +141,14 @@ def test_report_files(tiny, tmp_path):
         assert paths[key].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(ValueError, match="no such method"):
         markdown_table(res, relative_to="nope")
+    # paired per-prompt tau: "good" (accepts 3, 2, 3 of 3) against "poor" (0, 1), prompt by prompt
+    per = {m: [r["committed"] / r["rounds"] for b in res["benchmarks"] for r in res["runs"][m][b]]
+           for m in ("good", "poor")}
+    want = sum(per["good"]) / 5 - sum(per["poor"]) / 5
+    paired = saved["paired_tau"]["good"]
+    assert paired["estimate"] == pytest.approx(want) and paired["vs"] == "poor"
+    assert paired["units"] == 5 and paired["low"] > 0
+    assert f"| good | poor | {want:+.3f}" in md and "the interval excludes 0, so good is ahead" in md
 
 
 def test_sampling_evaluation_runs(tiny):

@@ -40,6 +40,14 @@ def test_tau_sim_and_conditional_accuracy_hand():
     assert m["accept_hist"] == [0, 1, 1, 0]
     assert m["post_reject_match"] == pytest.approx(1 / 1)  # chain b step 2 matches after rejection at 1
     assert m["acc_mean"] == pytest.approx(4 / 6)
+    assert m.chain_accepted.tolist() == [2, 1]  # per chain, for paired comparisons
+
+
+def test_chain_accepted_skips_chains_with_no_valid_position():
+    # chain b is empty; chain c's only valid position misses
+    out, v = make([[1, 2, 3], [1, 2, 3], [0, 2, 3]], [[1, 2, 0]] * 3,
+                  [[True] * 3, [False] * 3, [True, False, False]])
+    assert chain_metrics(out, v).chain_accepted.tolist() == [2, 0]
 
 
 def test_invalid_positions_are_not_counted():

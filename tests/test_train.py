@@ -145,13 +145,21 @@ def test_lockstep_arms_equal_separate_runs(tiny_target_dir, data_file, tmp_path)
     """Sharing the target pass changes nothing: each arm's losses equal its run alone."""
     a = _cfg(tiny_target_dir, data_file, tmp_path / "a", "drafter.kind=eagle3", "loss.kind=eagle3")
     b = _cfg(tiny_target_dir, data_file, tmp_path / "b", "drafter.kind=dflash", "loss.kind=vat")
-    train_arms([a, b], progress=False)
+    finals = train_arms([a, b], progress=False)
     a2 = _cfg(tiny_target_dir, data_file, tmp_path / "a2", "drafter.kind=eagle3", "loss.kind=eagle3")
     b2 = _cfg(tiny_target_dir, data_file, tmp_path / "b2", "drafter.kind=dflash", "loss.kind=vat")
     train(a2, progress=False)
     train(b2, progress=False)
     assert _losses(tmp_path / "a") == pytest.approx(_losses(tmp_path / "a2"), rel=1e-5)
     assert _losses(tmp_path / "b") == pytest.approx(_losses(tmp_path / "b2"), rel=1e-5)
+    # the held-out chains are kept per chain (for paired comparisons) and not logged per step
+    for final, run in zip(finals, ("a", "b")):
+        chains = final["chain_accepted"]
+        assert len(chains) == final["chains"] and sum(chains) / len(chains) == pytest.approx(final["mean_first_reject"])
+        saved = json.loads((tmp_path / run / "heldout_chains.json").read_text())
+        assert saved["chain_accepted"] == chains
+        assert all("eval/chain_accepted" not in json.loads(line)
+                   for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines())
 
 
 def test_checkpoint_loads_for_decoding(tiny_target_dir, data_file, tmp_path):

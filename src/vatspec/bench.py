@@ -291,7 +291,36 @@ def markdown_table(results: dict, relative_to: str | Mapping[str, str] | None = 
         cells += [_fmt(summary[m][c]["tokens_per_s"], "tps") for m in methods]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", *round_cost_table(summary, benches, methods)]
+    if relative_to and "runs" in results:
+        lines += ["", *paired_tau_lines(results, relative_to)]
     return "\n".join(lines) + "\n"
+
+
+def paired_tau(results: dict, method: str, base: str, *, seed: int = 0):
+    """``stats.Difference`` of mean per-prompt τ, method - base, over every (benchmark, prompt) both
+    ran (paired: the same prompt under both), with a 95% paired-bootstrap interval."""
+    from vatspec.stats import paired_difference
+
+    a, b = [], []
+    for bench, runs in results["runs"][method].items():
+        for ra, rb in zip(runs, results["runs"][base][bench]):
+            if ra.get("rounds") and rb.get("rounds"):
+                a.append(ra["committed"] / ra["rounds"])
+                b.append(rb["committed"] / rb["rounds"])
+    return paired_difference(a, b, seed=seed)
+
+
+def paired_tau_lines(results: dict, relative_to: Mapping[str, str]) -> list[str]:
+    """Markdown: each compared method's per-prompt τ difference from its baseline, with its interval."""
+    lines = ["| Method | vs | Δ mean per-prompt τ | 95% interval (paired bootstrap) | prompts |",
+             "|---|---|---:|---:|---:|"]
+    words = []
+    for method, base in relative_to.items():
+        d = paired_tau(results, method, base)
+        lines.append(f"| {method} | {base} | {d.estimate:+.3f} ({d.relative:+.1f}%) | "
+                     f"[{d.low:+.3f}, {d.high:+.3f}] | {d.units} |")
+        words.append(d.sentence("Decode τ", method, base, "prompts"))
+    return [*lines, "", *words]
 
 
 def round_cost_table(summary: dict, benches: Sequence[str], methods: Sequence[str]) -> list[str]:
@@ -367,6 +396,11 @@ def write_report(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {"json": out_dir / "results.json", "markdown": out_dir / "results.md"}
+    if relative_to:
+        rel = relative_to if isinstance(relative_to, Mapping) else {
+            m: relative_to for m in results["summary"] if m not in (AR, HF, relative_to)}
+        results = {**results, "paired_tau": {m: {"vs": b, **paired_tau(results, m, b).to_dict()}
+                                             for m, b in rel.items()}}
     paths["json"].write_text(json.dumps(results, indent=1))
     paths["markdown"].write_text(markdown_table(results, relative_to))
     if plots:

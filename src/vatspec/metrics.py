@@ -91,9 +91,10 @@ class ChainMetrics(dict):
     counts it was computed from (``.counts``), so ``MetricAccumulator.add(metrics)`` aggregates
     batches exactly instead of averaging ratios."""
 
-    def __init__(self, values: dict, counts: dict[str, Tensor]):
+    def __init__(self, values: dict, counts: dict[str, Tensor], chain_accepted: Tensor | None = None):
         super().__init__(values)
         self.counts = counts
+        self.chain_accepted = chain_accepted  # [chains] long: greedy accepted length of every chain
 
 
 class MetricAccumulator:
@@ -206,4 +207,15 @@ def chain_metrics(
     acc = MetricAccumulator(head_threshold)
     acc.counts = counts
     values = acc.compute()
-    return ChainMetrics(values, {name: x.detach().cpu() for name, x in counts.items()})
+    return ChainMetrics(values, {name: x.detach().cpu() for name, x in counts.items()},
+                        chain_accepted_lengths(out, v, d2t).cpu())
+
+
+@torch.no_grad()
+def chain_accepted_lengths(out: DraftOutput, v: Verification, d2t: Tensor | None = None) -> Tensor:
+    """[chains] long: per chain with a valid position, how many leading drafts match the target's
+    argmax (greedy acceptance, the quantity tau_sim averages). Paired across methods evaluated on the
+    same chains, these give a per-chain difference (``stats.paired_difference``)."""
+    valid = out.valid
+    match = (draft_to_target(out.logits.argmax(-1), d2t) == v.target_argmax) & valid
+    return _leading_ones(match)[valid.any(-1)].reshape(-1)

@@ -324,9 +324,12 @@ def train_arms(cfgs: list[Config], *, resume: bool = False, init_from: str | Non
                       "tokens_per_s": tokens_per_s, **parts_sum[i]}
             record.update({f"train/{k}": v for k, v in accs[i].summary().items()})
             record = _all_reduce_mean(record, world)
-            record.update({f"eval/{k}": v for k, v in evals[i].items()})
+            record.update({f"eval/{k}": v for k, v in evals[i].items() if k != CHAINS_KEY})
             if last:
                 finals[i] = evals[i]
+                if is_main and CHAINS_KEY in evals[i]:
+                    (arm.run_dir / "heldout_chains.json").write_text(json.dumps(
+                        {"step": step, "tau_sim": evals[i].get("tau_sim"), CHAINS_KEY: evals[i][CHAINS_KEY]}))
             if is_main:
                 if step % base.train.log_every == 0 or last or do_eval:
                     with open(arm.run_dir / "metrics.jsonl", "a") as f:
@@ -403,6 +406,9 @@ def _restore_arm(arm: Arm, ck: Path) -> dict:
     return state
 
 
+CHAINS_KEY = "chain_accepted"  # per held-out chain accepted lengths: kept with the final metrics, not logged
+
+
 @torch.no_grad()
 def evaluate_arms(arms: list[Arm], target, examples, cfg: Config, device) -> list[dict]:
     """Held-out pass for every arm (shared target passes): the loss and the chain metrics
@@ -416,6 +422,7 @@ def evaluate_arms(arms: list[Arm], target, examples, cfg: Config, device) -> lis
         a.model.eval()
     accs = [MetricAccumulator() for _ in arms]
     losses = [0.0 for _ in arms]
+    chains: list[list[torch.Tensor]] = [[] for _ in arms]
     n = 0
     bs = cfg.data.batch_size
     for i in range(0, len(examples), bs):
@@ -423,11 +430,13 @@ def evaluate_arms(arms: list[Arm], target, examples, cfg: Config, device) -> lis
         gens = [step_generator(cfg.train.seed, -1, i, 0, device=device) for _ in arms]
         for j, res in enumerate(arms_micro_step(arms, target, batch, gens)):
             accs[j].add(res.metrics)
+            chains[j].append(res.metrics.chain_accepted)
             losses[j] += float(res.loss)
         n += 1
     for a, m in zip(arms, modes):
         a.model.train(m)
-    return [{"loss": losses[j] / max(n, 1), **accs[j].summary()} for j in range(len(arms))]
+    return [{"loss": losses[j] / max(n, 1), **accs[j].summary(), CHAINS_KEY: torch.cat(chains[j]).tolist()}
+            for j in range(len(arms))]
 
 
 # ----------------------------------------------------------------------------- helpers

@@ -219,3 +219,25 @@ def test_relative_to_specs():
     assert _relative_to(["E + VAT=E", "D + VAT=D"], methods) == {"E + VAT": "E", "D + VAT": "D"}
     with pytest.raises(SystemExit, match="no method 'X'"):
         _relative_to(["X=E"], methods)
+
+
+def test_eval_command_k_auto_calibrates_each_method(tiny, tmp_path, monkeypatch):
+    from vatspec import benchmarks, cli, data
+    from vatspec.commands import eval as eval_command
+
+    target, _, _ = tiny
+    monkeypatch.setattr(eval_command, "open_target", lambda path, **kw: target)
+    monkeypatch.setattr(eval_command, "open_draft", lambda path, t: (OracleDrafter(t, [2]), None))
+    monkeypatch.setattr(benchmarks, "load_benchmark", lambda name: [[BOS, 3, 4]])
+    monkeypatch.setattr(data, "load_conversations", lambda path, **kw: [[BOS, 12], [BOS, 30, 31]])
+    args = ["eval", "--draft", f"vat={tmp_path}/ckpt", "--bench", "gsm8k", "--max-new-tokens", "9", "--warmup", "0",
+            "--no-plots", "--no-hf", "--k", "auto"]
+    with pytest.raises(SystemExit, match="needs --calibration"):
+        cli.main([*args, "--out", str(tmp_path / "x")])
+    assert cli.main([*args, "--calibration", str(tmp_path / "held.jsonl"), "--out", str(tmp_path / "eval")]) == 0
+    res = json.loads((tmp_path / "eval" / "results.json").read_text())
+    cal = res["calibration"]["vat"]
+    # the oracle accepts exactly 2 of every round's drafts: S = 1, 1, 0, 0 over k_max = 4
+    assert cal["survival"] == [1.0, 1.0, 1.0, 0.0, 0.0] and cal["rounds"] > 0
+    assert res["config"]["k"] == {"vat": cal["k"]} and 0 <= cal["k"] <= 4
+    assert "Draft length chosen on held-out calibration prompts" in (tmp_path / "eval" / "results.md").read_text()

@@ -128,7 +128,7 @@ def evaluate(
     warmup: int = 1,
     seed: int = 0,
     exit_threshold: float | None = None,
-    k: int | None = None,
+    k: int | Mapping[str, int] | None = None,
     top_k: int = 0,
     top_p: float = 1.0,
     draft_argmax: bool = False,
@@ -141,7 +141,8 @@ def evaluate(
                       (its speedup shows the measurement noise).
     prompts_by_bench: benchmark name -> prompts (token ids or conversations, see ``prompt_ids``).
     exit_threshold:   early exit for the methods that have a head (others ignore it).
-    k:                drafted tokens per round; None = each drafter's own ``drafter.k``.
+    k:                drafted tokens per round: one for all, or method -> k (e.g. from ``calibrate``);
+                      None (or a method missing from the mapping) = the drafter's own ``drafter.k``.
     Returns a JSON-ready dict: ``config``, ``benchmarks`` (prompt counts), ``summary[name][bench]``
     with ``average`` per name, and the per-prompt ``runs``.
     """
@@ -156,7 +157,8 @@ def evaluate(
     ids_by_bench = {b: ps for b, ps in ids_by_bench.items() if ps}
     if not ids_by_bench:
         raise ValueError("evaluate: no prompts")
-    gen_kw = dict(k=k, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+    k_of = dict(k) if isinstance(k, Mapping) else {name: k for name in methods}
+    gen_kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                   draft_argmax=draft_argmax)
 
     def run_one(name: str, ids: list[int], gen_seed: int) -> dict:
@@ -165,8 +167,8 @@ def evaluate(
             return {"tokens": len(toks), "wall_s": wall, "_out": toks}
         drafter, head = (None, None) if name == AR else methods[name]
         g = torch.Generator(device=device).manual_seed(gen_seed)
-        res = generate(target, ids, drafter, head=head, exit_threshold=exit_threshold if head is not None else None,
-                       generator=g, **gen_kw)
+        res = generate(target, ids, drafter, k=k_of.get(name), head=head,
+                       exit_threshold=exit_threshold if head is not None else None, generator=g, **gen_kw)
         return {
             "tokens": len(res.tokens), "wall_s": res.wall_s, "rounds": len(res.rounds),
             "committed": sum(res.tokens_per_step), "histogram": res.histogram, "prefill_s": res.prefill_s,
@@ -219,7 +221,9 @@ def evaluate(
     return {
         "config": {
             "temperature": temperature, "top_k": top_k, "top_p": top_p, "draft_argmax": draft_argmax,
-            "max_new_tokens": max_new_tokens, "k": k, "warmup": n_warm, "seed": seed,
+            "max_new_tokens": max_new_tokens,
+            "k": {n: getattr(d, "k", None) if k_of.get(n) is None else k_of[n] for n, (d, _) in methods.items()},
+            "warmup": n_warm, "seed": seed,
             "exit_threshold": exit_threshold, "batch_size": 1, "device": str(device),
             "dtype": str(target.dtype).removeprefix("torch."), "target": getattr(target, "path", None),
             "threads": torch.get_num_threads(), "methods": list(methods), "order": "rotated per prompt",
@@ -291,9 +295,24 @@ def markdown_table(results: dict, relative_to: str | Mapping[str, str] | None = 
         cells += [_fmt(summary[m][c]["tokens_per_s"], "tps") for m in methods]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", *round_cost_table(summary, benches, methods)]
+    if results.get("calibration"):
+        lines += ["", *calibration_lines(results["calibration"])]
     if relative_to and "runs" in results:
         lines += ["", *paired_tau_lines(results, relative_to)]
     return "\n".join(lines) + "\n"
+
+
+def calibration_lines(calibration: Mapping[str, dict]) -> list[str]:
+    """Markdown: per method, the k chosen on the calibration prompts and why (``calibrate``)."""
+    lines = ["Draft length chosen on held-out calibration prompts: a round drafting k costs `cost(k)` AR steps "
+             "and commits `1 + S(1) + ... + S(k)` tokens on average (S(j) = P(at least j drafts accepted)).", "",
+             "| Method | k | S(1..k_max) | cost(0..k_max), AR steps | expected speedup(0..k_max) | rounds |",
+             "|---|---:|---|---|---|---:|"]
+    for name, c in calibration.items():
+        row = [" ".join(f"{x:.2f}" for x in c[f][start:]) for f, start in
+               (("survival", 1), ("cost", 0), ("speedup", 0))]
+        lines.append(f"| {name} | {c['k']} | {row[0]} | {row[1]} | {row[2]} | {c['rounds']} |")
+    return lines
 
 
 def paired_tau(results: dict, method: str, base: str, *, seed: int = 0):

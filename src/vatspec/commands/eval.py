@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 
 from vatspec import benchmarks, data
-from vatspec.bench import evaluate, write_report
+from vatspec.bench import evaluate, prompt_ids, write_report
+from vatspec.calibrate import calibrate
 from vatspec.checkpoint import CheckpointError
 from vatspec.commands import DTYPE_METAVAR, dtype_arg, report
 from vatspec.data import DataError
@@ -34,7 +35,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--draft-argmax", action="store_true", help="draft by argmax at T > 0 (as vLLM)")
-    parser.add_argument("--k", type=int, default=None, help="drafted tokens per round (default: the drafter's)")
+    parser.add_argument("--k", type=_k_arg, default=None,
+                        help="drafted tokens per round (default: the drafter's), or 'auto': each method's k chosen "
+                             "from its acceptance and the measured round cost on --calibration prompts")
+    parser.add_argument("--calibration", metavar="FILE", default=None,
+                        help="with --k auto: held-out prompts (JSONL conversations, never the evaluation set)")
+    parser.add_argument("--calibration-prompts", type=int, default=4, help="with --k auto: how many of them")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--warmup", type=int, default=1, help="prompts run untimed first")
     parser.add_argument("--seed", type=int, default=0)
@@ -74,16 +80,38 @@ def _run(args: argparse.Namespace) -> int:
         prompts[Path(f).stem] = data.load_conversations(f, require_assistant=False)
     if args.num_prompts is not None:
         prompts = {b: ps[: args.num_prompts] for b, ps in prompts.items()}
+    k, calibration = args.k, None
+    if k == "auto":
+        if not args.calibration:
+            raise SystemExit("vatspec eval: --k auto needs --calibration FILE (held-out prompts)")
+        convs = data.load_conversations(args.calibration, require_assistant=False)[: args.calibration_prompts]
+        ids = [prompt_ids(target.tokenizer, c) for c in convs]
+        calibration = {name: calibrate(target, d, ids) for name, (d, _) in methods.items()}
+        k = {name: c.k for name, c in calibration.items()}
     results = evaluate(
         target, methods, prompts, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
-        warmup=args.warmup, seed=args.seed, exit_threshold=args.exit_threshold, k=args.k, top_k=args.top_k,
+        warmup=args.warmup, seed=args.seed, exit_threshold=args.exit_threshold, k=k, top_k=args.top_k,
         top_p=args.top_p, draft_argmax=args.draft_argmax, hf_baseline=not args.no_hf,
     )
+    if calibration:
+        results["calibration"] = {name: c.to_dict() for name, c in calibration.items()}
     results["config"]["drafts"] = dict(_parse_draft(s) for s in args.draft)
     paths = write_report(results, args.out, _relative_to(args.relative_to, list(methods)), plots=not args.no_plots)
     print(paths["markdown"].read_text())
     print("wrote " + ", ".join(str(p) for p in paths.values()))
     return 0
+
+
+def _k_arg(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        k = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of drafted tokens or 'auto', got {text!r}") from None
+    if k < 0:
+        raise argparse.ArgumentTypeError(f"k must be >= 0, got {k}")
+    return k
 
 
 def _relative_to(specs: Sequence[str], methods: Sequence[str]) -> dict[str, str] | None:

@@ -383,3 +383,82 @@ def test_shard_size_takes_units(value, n):
     from vatspec.commands.cache_features import size_arg
 
     assert size_arg(value) == n
+
+
+def test_parts_then_a_weightless_finish(tiny_dir, data_file, cache_dir, tmp_path, capsys):
+    """--part I/N in independent processes, then one run without --part on the meta device (no
+    weights: nothing is left to compute) writes the index and completes the manifest."""
+    from vatspec.cli import main
+
+    out = tmp_path / "c"
+    common = [str(data_file), "--out", str(out), "--target", str(tiny_dir), "--layers", "1,2,3", "--max-length", "64",
+              "--dtype", "float32", "--shard-size", "70000", "--batch-size", "4", "--target-dtype", "float32",
+              "--no-progress"]
+    assert main(["cache-features", *common, "--device", "meta"]) == 2  # nothing written yet: refused
+    assert "not written yet" in capsys.readouterr().err
+    for part in ("1/2", "0/2"):
+        assert main(["cache-features", *common, "--device", "cpu", "--part", part]) == 0
+        assert f"part {part} written" in capsys.readouterr().out
+    assert not (out / "index.jsonl").exists()
+    assert main(["cache-features", *common, "--device", "meta"]) == 0
+    assert "wrote 0 shard(s) (already complete)" in capsys.readouterr().out
+    assert _shas(out) == _shas(cache_dir) and FeatureCache(out).manifest["complete"]
+
+
+def test_a_heldout_cache_equals_a_heldout_file(tiny_dir, target, data_file, tmp_path):
+    """data.heldout names a second cache when training from one: the held-out metrics of online training."""
+    train_file, held_file = tmp_path / "train.jsonl", tmp_path / "held.jsonl"
+    train_file.write_text("".join(json.dumps(c) + "\n" for c in CONVS[:20]))
+    held_file.write_text("".join(json.dumps(c) + "\n" for c in CONVS[20:]))
+    for f in (train_file, held_file):
+        _write(target, f, tmp_path / f"{f.stem}-cache")
+    kind = ["drafter.kind=dflash", "loss.kind=vat"]
+    online = _cfg(tiny_dir, tmp_path / "on", *kind, f"data.heldout={held_file}", data=train_file)
+    cached = _cfg(tiny_dir, tmp_path / "ca", *kind, f"data.heldout={tmp_path / 'held-cache'}",
+                  features=tmp_path / "train-cache")
+    a, b = train_arms([online], progress=False)[0], train_arms([cached], progress=False)[0]
+    assert a["chains"] == b["chains"] and b["loss"] == pytest.approx(a["loss"], rel=LOSS_RTOL)
+    assert b["tau_sim"] == pytest.approx(a["tau_sim"], rel=LOSS_RTOL)
+
+
+def test_ddp_ranks_verify_only_their_shards(tiny_dir, cache_dir, tmp_path):
+    """torchrun, 2 CPU ranks: each rank checks (and reads) the shards of its half of the training set
+    and of the held-out rows, not the other half's."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "ddp.py"
+    script.write_text(
+        "import sys, json, torch.distributed as dist\n"
+        "from vatspec.config import load_config\n"
+        "from vatspec.features import FeatureCache\n"
+        "import vatspec.train as T\n"
+        "seen = []\n"
+        "orig = FeatureCache.verify_shard\n"
+        "def spy(self, k):\n"
+        "    seen.append(k)\n"
+        "    return orig(self, k)\n"
+        "FeatureCache.verify_shard = spy\n"
+        "T.train(load_config(None, sys.argv[2:]), progress=False)\n"
+        "open(sys.argv[1] + f'.{dist.get_rank()}', 'w').write(json.dumps(sorted(set(seen))))\n"
+    )
+    out = tmp_path / "seen"
+    args = [f"target.path={tiny_dir}", f"data.features={cache_dir}", f"train.out_dir={tmp_path / 'ddp'}",
+            "data.batch_size=2", "data.max_length=64", "drafter.draft_vocab_size=256", "drafter.ttt_steps=3",
+            "train.steps=1", "target.device=cpu"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                           "--master_port=29541", str(script), str(out), *args],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = [set(json.loads(Path(f"{out}.{r}").read_text())) for r in (0, 1)]
+    n = len(json.loads((cache_dir / "manifest.json").read_text())["shards"])
+    assert all(s and len(s) < n for s in seen), seen  # neither rank read the whole cache
+    assert seen[0] != seen[1], seen
+
+
+def test_a_device_map_target_writes_the_same_cache(tiny_dir, data_file, cache_dir, tmp_path):
+    """--device-map: the target loaded by accelerate (here all on the CPU) captures the same layers."""
+    mapped = Target.from_pretrained(tiny_dir, device_map="cpu")
+    _write(mapped, data_file, tmp_path / "c")
+    assert _shas(tmp_path / "c") == _shas(cache_dir)

@@ -46,6 +46,14 @@ def drafter_arg(value: str) -> tuple[str, int]:
     return kind, int(n or 1)
 
 
+def part_arg(value: str) -> tuple[int, int]:
+    """``I/N``: this process writes part I (0-based) of N: the shards k with k % N == I."""
+    i, _, n = value.partition("/")
+    if not (i.isdigit() and n.isdigit() and 0 <= int(i) < int(n)):
+        raise argparse.ArgumentTypeError(f"part {value!r} is not I/N with 0 <= I < N (e.g. 0/4)")
+    return int(i), int(n)
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("data", nargs="?", help="conversations (.jsonl/.json/.parquet, a folder, a hub name), "
                                                 "or the cache folder with --validate")
@@ -64,6 +72,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=8, help="conversations per target forward")
     parser.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available; under torchrun "
                                                        "cuda:LOCAL_RANK)")
+    parser.add_argument("--device-map", default=None, help="a target larger than one GPU: accelerate's device_map "
+                        "(auto, balanced, ...) spreads it over the visible GPUs")
+    parser.add_argument("--part", type=part_arg, default=None, metavar="I/N",
+                        help="write only part I of N (independent processes, e.g. one per group of GPUs); "
+                             "then run once more without --part to finish the index and manifest")
     parser.add_argument("--target-dtype", default=None, type=dtype_arg, metavar=DTYPE_METAVAR,
                         help="the dtype the target runs in (default: bfloat16 on GPU, float32 on CPU); it should "
                              "be target.dtype of the training run")
@@ -123,13 +136,19 @@ def _write(args: argparse.Namespace) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     device = args.device
-    if world > 1:
+    if args.part is not None:
+        if world > 1:
+            raise ValueError("--part splits the work between independent processes; under torchrun the ranks "
+                             "split it already")
+        rank, world = args.part
+    elif world > 1:
         if not dist.is_initialized():
             dist.init_process_group("gloo")  # a barrier is all the ranks share
         if device is None and torch.cuda.is_available():
             device = f"cuda:{local}"
     convs = load_conversations(args.data, skip_bad=args.skip_bad)
-    target = open_target(args.target or "default", device=device or "auto", dtype=args.target_dtype)
+    target = open_target(args.target or "default", device=device or "auto", dtype=args.target_dtype,
+                         device_map=args.device_map)
     if args.layers:
         layer_ids = [i for group in args.layers for i in group]
     else:
@@ -139,13 +158,17 @@ def _write(args: argparse.Namespace) -> int:
                       max_length=args.max_length, batch_size=args.batch_size, source=args.data, rank=rank,
                       world=world, progress=not args.no_progress)
     w = man["written"]
+    if args.part is not None:
+        print(f"{args.out}: part {rank}/{world} written ({w['shards']} shard(s), {w['tokens']} tokens); when every "
+              "part is, run the same command without --part to finish the cache")
+        return 0
     if world > 1:
         dist.barrier()
         if rank != 0:
             return 0
         man = finalize_cache(args.out)
     size = sum(s.get("bytes", 0) for s in man["shards"])
-    rate = f" at {w['tokens'] / w['seconds']:.0f} tokens/s" if w["seconds"] > 0 else " (already complete)"
+    rate = f" at {w['tokens'] / w['seconds']:.0f} tokens/s" if w["tokens"] else " (already complete)"
     print(f"{args.out}: {man['conversations']} conversations, {man['tokens']} tokens in {len(man['shards'])} "
           f"shard(s), {size / 2**20:.1f} MiB ({size / max(1, man['tokens']):.0f} bytes/token), layers "
           f"{man['layer_ids']}, {man['dtype']}; wrote {w['shards']} shard(s){rate}")

@@ -140,6 +140,9 @@ def write_cache(
 
     mine = [k for k in range(len(plan)) if k % world == rank]
     todo = [k for k in mine if not _shard_done(out, k)]
+    if todo and target.device.type == "meta":
+        raise FeatureCacheError(f"{out}: {len(todo)} shard(s) are not written yet, and a target on the meta device "
+                                "has no weights to compute them; finish every part first")
     bar = tqdm(total=sum(manifest["shards"][k]["tokens"] for k in todo), unit="tok", desc="cache-features",
                disable=not progress)
     t0 = time.perf_counter()
@@ -225,7 +228,7 @@ def _resume_state(out: Path, manifest: dict) -> dict | None:
         return None
     old = read_manifest(out)
     for key in SETTINGS:
-        if json.dumps(old.get(key), sort_keys=True) != json.dumps(manifest[key], sort_keys=True):
+        if _setting(old.get(key)) != _setting(manifest[key]):
             raise FeatureCacheError(f"{out} holds a cache written with other settings ({key} differs); "
                                     "choose another --out, or delete it to rebuild")
     if not old.get("complete"):
@@ -243,6 +246,13 @@ def _resume_state(out: Path, manifest: dict) -> dict | None:
         side = {"bytes": s["bytes"], "sha256": s["sha256"], "rows": rows[a:b]}
         atomic_write(_sidecar(out, k), json.dumps(side).encode())
     return None
+
+
+def _setting(value) -> str:
+    """A setting as compared on restart: a moved target or data file (``path``) is the same one."""
+    if isinstance(value, dict):
+        value = {k: v for k, v in value.items() if k != "path"}
+    return json.dumps(value, sort_keys=True)
 
 
 @torch.no_grad()

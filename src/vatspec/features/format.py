@@ -122,8 +122,10 @@ def target_config(target) -> dict:
     return {k: v for k, v in sorted(cfg.items()) if not k.startswith("_") and k not in _VOLATILE_CONFIG_KEYS}
 
 
-def tokenizer_sha256(tokenizer) -> str:
-    """sha256 of the vocabulary (token -> id, sorted): ids mean the same tokens."""
+def tokenizer_sha256(tokenizer) -> str | None:
+    """sha256 of the vocabulary (token -> id, sorted): ids mean the same tokens. None without a vocabulary."""
+    if not hasattr(tokenizer, "get_vocab"):
+        return None
     vocab = sorted(tokenizer.get_vocab().items())
     return text_sha256(json.dumps(vocab, ensure_ascii=False))
 
@@ -230,8 +232,9 @@ def check_target(manifest: dict, target, *, what: str = "the run's target") -> N
             raise FeatureCacheError(f"target.config.{k} is {have['config'][k]!r} in the cache but {cfg[k]!r} "
                                     f"for {what}: the cache was built for another target")
     tok = target.tokenizer
-    if tok is not None:
-        if manifest["tokenizer_sha256"] != tokenizer_sha256(tok):
+    tok_sha = tokenizer_sha256(tok)
+    if tok_sha is not None:  # a tokenizer-less test target has nothing to compare
+        if manifest["tokenizer_sha256"] != tok_sha:
             raise FeatureCacheError(f"tokenizer_sha256 differs from {what}'s tokenizer (another vocabulary)")
         if manifest["chat_template_sha256"] != chat_template_sha256(tok):
             raise FeatureCacheError(f"chat_template_sha256 differs from {what}'s chat template: the cached token "

@@ -62,7 +62,7 @@ class FeatureCache:
         if not m.get("complete"):
             done = sum(1 for s in m["shards"] if (self.root / (s["file"] + ".json")).is_file())
             raise self._error(f"the cache is incomplete ({done} of {len(m['shards'])} shards "
-                                    "written); rerun vatspec cache-features with the same arguments to finish it")
+                              "written); rerun vatspec cache-features with the same arguments to finish it")
         self.manifest = m
         self.layer_ids: list[int] = list(m["layer_ids"])
         self.hidden_size: int = int(m["target"]["hidden_size"])
@@ -73,7 +73,7 @@ class FeatureCache:
         raw = index.read_bytes()
         if hashlib.sha256(raw).hexdigest() != m.get("index_sha256"):
             raise self._error(f"{INDEX}: sha256 differs from the manifest's index_sha256 (the index changed "
-                                    "after the cache was written)")
+                              "after the cache was written)")
         self.rows: list[dict] = [json.loads(line) for line in raw.decode("utf-8").splitlines() if line.strip()]
         if len(self.rows) != m["conversations"]:
             raise self._error(f"{INDEX}: {len(self.rows)} rows, the manifest says {m['conversations']}")
@@ -103,11 +103,11 @@ class FeatureCache:
             for r in self.rows[a:b]:
                 if r["shard"] != s["file"] or r["offset"] != off or r["length"] < 1:
                     raise self._error(f"{INDEX}: row {r.get('id')!r} does not follow the layout of "
-                                            f"{s['file']} (shard, offset {off}, length >= 1 expected)")
+                                      f"{s['file']} (shard, offset {off}, length >= 1 expected)")
                 off += r["length"]
             if off != s["tokens"]:
                 raise self._error(f"{INDEX}: rows of {s['file']} hold {off} tokens, the manifest "
-                                        f"says {s['tokens']}")
+                                  f"says {s['tokens']}")
 
     def check_file(self, k: int) -> None:
         """Shard k exists and has its recorded size (cheap: no read)."""
@@ -115,11 +115,11 @@ class FeatureCache:
         path = self.root / s["file"]
         if not path.is_file():
             raise self._error(f"{s['file']} is missing (shard {k} of {len(self.manifest['shards'])}); rerun "
-                                    "vatspec cache-features with the same arguments to rewrite it")
+                              "vatspec cache-features with the same arguments to rewrite it")
         size = path.stat().st_size
         if size != s["bytes"]:
             raise self._error(f"{s['file']} is {size} bytes, the manifest records {s['bytes']} (truncated or "
-                                    "replaced); rerun vatspec cache-features with the same arguments to redo it")
+                              "replaced); rerun vatspec cache-features with the same arguments to redo it")
 
     def check_run(self, target, layer_ids: dict[str, Iterable[int]], max_length: int) -> None:
         """The run fits the cache: the same target (weights, config, tokenizer, chat template), the
@@ -147,7 +147,7 @@ class FeatureCache:
         path = self.root / s["file"]
         if file_sha256(path) != s["sha256"]:
             raise self._error(f"{s['file']}: sha256 differs from the manifest (the file changed after it was "
-                                    "written); rerun vatspec cache-features --validate, then rebuild")
+                              "written); rerun vatspec cache-features --validate, then rebuild")
         f = self._handle(s["file"])
         N, H = s["tokens"], self.hidden_size
         want = {IDS_KEY: (torch.int32, (N,)), MASK_KEY: (torch.uint8, (N,)),
@@ -160,7 +160,7 @@ class FeatureCache:
             have_dt = sl.get_dtype()
             if tuple(sl.get_shape()) != shape or _st_dtype(dt) != have_dt:
                 raise self._error(f"{s['file']}: tensor {key!r} is {have_dt} {tuple(sl.get_shape())}, expected "
-                                        f"{_st_dtype(dt)} {shape}")
+                                  f"{_st_dtype(dt)} {shape}")
         a, b = s["rows"]
         rows = self.rows[a:b]
         for key in [*(layer_key(i) for i in self.layer_ids), HIDDEN_KEY]:
@@ -171,12 +171,12 @@ class FeatureCache:
                     t = lo + int((~ok).nonzero()[0, 0])
                     r = next(r for r in rows if r["offset"] <= t < r["offset"] + r["length"])
                     raise self._error(f"{s['file']}: {key} of conversation {r['id']!r} (index row {r['row']}, token "
-                                            f"{t - r['offset']}) is not finite (NaN or inf)")
+                                      f"{t - r['offset']}) is not finite (NaN or inf)")
         ids = f.get_tensor(IDS_KEY)
         for r in rows:
             if token_hash(ids[r["offset"] : r["offset"] + r["length"]]) != r["token_hash"]:
                 raise self._error(f"{s['file']}: the token ids of conversation {r['id']!r} do not match the index's "
-                                        "token_hash")
+                                  "token_hash")
         self._verified.add(k)
 
     def verify_rows(self, examples: Iterable) -> list[int]:
@@ -205,7 +205,7 @@ class FeatureCache:
                 o, n = r["offset"], r["length"]
                 if ids.shape[0] < o + n or token_hash(ids[o : o + n]) != r["token_hash"]:
                     raise self._error(f"{name}: the token ids of conversation {r['id']!r} do not "
-                                            "match the index's token_hash")
+                                      "match the index's token_hash")
                 out[i] = Example(ids[o : o + n].tolist(), mask[o : o + n].bool().tolist(), r["id"])
         return [out[i] for i in rows]
 

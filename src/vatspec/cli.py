@@ -14,6 +14,7 @@ COMMANDS: dict[str, str] = {
     "benchmarks": "list the bundled evaluation prompt sets",
     "prepare-data": "write a training prompt file from bundled corpora",
     "regenerate": "replace assistant turns by the target's own responses",
+    "cache-features": "run the target once and store its layer outputs for training (or --validate a cache)",
     "train": "train an EAGLE-3 or DFlash drafter (loss.kind=eagle3|dflash|vat)",
     "eval": "speculative decoding: tau and wall-clock speedup on benchmarks",
     "export": "write a draft in SGLang / vLLM / speculators format",

@@ -45,7 +45,8 @@ class TargetConfig:
 @dataclass(frozen=True)
 class DataConfig:
     train: str = ""  # conversations: JSONL / JSON / HF dataset folder / parquet
-    heldout: str = ""  # optional separate held-out file; else a split of `train`
+    features: str = ""  # a feature cache (vatspec cache-features): no target forward; `train` then optional
+    heldout: str = ""  # optional separate held-out file (a feature cache with `features`); else a split
     heldout_fraction: float = 0.05
     heldout_max: int = 64  # at most this many held-out conversations
     max_length: int = 2048

@@ -89,6 +89,7 @@ def open_target(
     path: str | Path | None = "default",
     device: str | torch.device | None = "auto",
     dtype: str | torch.dtype | None = None,
+    device_map: str | None = None,
 ) -> Target:
     """The one way a command opens a target.
 
@@ -97,6 +98,8 @@ def open_target(
     device: ``auto`` = cuda if available, else cpu; ``meta`` = config and tokenizer only, no weights.
     dtype:  float32 | bfloat16 | float16 or an alias (``dtype_name``); None = bfloat16 on a GPU,
             float32 elsewhere.
+    device_map: a target larger than one device: accelerate's ``device_map`` (``auto``, ``balanced``,
+            ...) spreads its layers over the visible GPUs; ``device`` then only picks the default dtype.
     Raises ``TargetError`` (and nothing else) for a path, device or dtype that does not work.
     """
     try:
@@ -107,7 +110,7 @@ def open_target(
     except ValueError as e:
         raise TargetError(str(e)) from None
     folder = prepare_default_target() if path is None or str(path) in DEFAULT_ALIASES else Path(path)
-    return Target.from_pretrained(folder, dtype=dt, device=dev)
+    return Target.from_pretrained(folder, dtype=dt, device=dev, device_map=device_map)
 
 
 @dataclass
@@ -153,12 +156,14 @@ class Target:
     # ----------------------------------------------------------------- loading
     @classmethod
     def from_pretrained(
-        cls, path: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+        cls, path: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+        device_map: str | dict | None = None,
     ) -> Target:
         """Load any local Hugging Face causal-LM folder (Llama, Qwen3, Gemma3, ...).
 
         On the ``meta`` device no weight is read: the modules are built from config.json, which is
-        all an export needs (sizes, layer count, model family, tokenizer)."""
+        all an export needs (sizes, layer count, model family, tokenizer). With ``device_map`` the
+        model is spread by accelerate instead of moved to ``device``."""
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
         path = Path(path)
@@ -174,7 +179,9 @@ class Target:
         if archs and not any(a.endswith("ForCausalLM") or a.endswith("LMHeadModel") for a in archs):
             raise TargetError(f"{path}/config.json: architectures {archs} is not a causal LM")
         try:
-            if torch.device(device).type == "meta":
+            if device_map is not None:
+                model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device_map)
+            elif torch.device(device).type == "meta":
                 with torch.device("meta"):
                     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
             else:
@@ -260,7 +267,8 @@ class Target:
             for h in hooks:
                 h.remove()
         hidden = out.last_hidden_state  # [B, T, H]
-        feats = torch.cat([captured[i] for i in layer_ids], dim=-1) if layer_ids else None
+        # captured on the device of each layer: gathered where the last one runs (one device unless device_map)
+        feats = torch.cat([captured[i].to(hidden.device) for i in layer_ids], dim=-1) if layer_ids else None
         lg = None
         if logits:
             h = hidden[logits_at] if logits_at is not None else hidden

@@ -31,6 +31,7 @@ from vatspec import checkpoint as ckpt_io
 from vatspec.config import Config, OptimConfig, dump_config
 from vatspec.drafters import DrafterPlan, build_drafter, plan_batch
 from vatspec.drafters.base import AcceptHead
+from vatspec.features import CachedTarget
 from vatspec.losses import vat_objective
 from vatspec.metrics import MetricAccumulator, chain_metrics
 from vatspec.target import TargetOutput
@@ -242,34 +243,56 @@ def train_arms(cfgs: list[Config], *, resume: bool = False, init_from: str | Non
                              "it or choose another train.out_dir")
     resume_from = [ckpt_io.resolve_checkpoint(d) for d in dirs] if resume else None
 
-    # 1. data, shared by every arm
-    if not base.data.train:
-        raise TrainError("data.train is empty: name a conversations file (JSONL/JSON/HF dataset folder)")
-    convs = D.load_conversations(base.data.train, skip_bad=base.data.skip_bad)  # bad data fails before the model loads
+    # 1. data, shared by every arm: conversations tokenized here, or the rows of a feature cache
+    # (data.features: the same conversations in the same order, so the held-out split is the same)
+    dcfg = base.data
+    if not dcfg.train and not dcfg.features:
+        raise TrainError("data.train is empty: name a conversations file (JSONL/JSON/HF dataset folder) "
+                         "or a feature cache (data.features)")
+    convs = D.load_conversations(dcfg.train, skip_bad=dcfg.skip_bad) if dcfg.train else None  # before the model
     if target is None:
         target = open_target(base.target.path, device=device, dtype=base.target.dtype)
     tok = target.tokenizer
-    if base.data.heldout:
-        train_convs, held_convs = convs, D.load_conversations(base.data.heldout, skip_bad=base.data.skip_bad)
+    train_cache = _open_cache(dcfg.features, "data.features", target, cfgs, convs) if dcfg.features else None
+    held_cache = train_cache
+    items = list(range(len(train_cache))) if train_cache else convs  # cache rows stand for the conversations
+    if dcfg.heldout:
+        if train_cache:
+            held_cache = _open_cache(dcfg.heldout, "data.heldout", target, cfgs, None)
+            held_items = list(range(len(held_cache)))
+        else:
+            held_items = D.load_conversations(dcfg.heldout, skip_bad=dcfg.skip_bad)
+        train_items = items
     else:
-        n_held = min(base.data.heldout_max, max(1, round(len(convs) * base.data.heldout_fraction)))
-        train_convs, held_convs = D.split_heldout(convs, n_held if len(convs) > 1 else 0, seed=base.train.seed)
-    train_ex = _tokenize(train_convs, tok, base.data.max_length, base.data.train)
-    held_ex = _tokenize(held_convs, tok, base.data.max_length, base.data.heldout or base.data.train)
+        n_held = min(dcfg.heldout_max, max(1, round(len(items) * dcfg.heldout_fraction)))
+        train_items, held_items = D.split_heldout(items, n_held if len(items) > 1 else 0, seed=base.train.seed)
+    train_src = f"data.features={dcfg.features}" if train_cache else dcfg.train
+    held_src = (f"data.heldout={dcfg.heldout}" if train_cache else dcfg.heldout) if dcfg.heldout else train_src
+    train_ex = _tokenize(train_items, tok, dcfg.max_length, train_src, train_cache)
+    held_ex = _tokenize(held_items, tok, dcfg.max_length, held_src, held_cache)
     if not train_ex:
-        raise TrainError(f"{base.data.train}: no conversation has a supervised (assistant) token")
+        raise TrainError(f"{train_src}: no conversation has a supervised (assistant) token")
     counts = D.token_counts(train_ex, target.vocab_size)
     if world > 1:  # each rank its own equal share, same seeded order: every rank takes the same steps
         share = len(train_ex) // world
         if share < base.data.batch_size:
             raise TrainError(f"{len(train_ex)} examples are too few for {world} ranks of batch {base.data.batch_size}")
         train_ex = train_ex[rank * share : (rank + 1) * share]
+    source = target  # what the loop asks for target outputs: the model, or the cache (then only the lm_head runs)
+    cached = [(train_cache, train_src), (held_cache, held_src)] if train_cache else []
+    if cached:
+        source = CachedTarget(target, list({id(c): c for c, _ in cached}.values()))
+        for (cache, src), exs in zip(cached, (train_ex, held_ex)):  # the shards this rank reads: sha256, finite
+            _checked(cache.verify_rows, exs, where=src, root=cache.root)
     batches = D.BatchIterator(train_ex, base.data.batch_size, pad_id=_pad_id(target), seed=base.train.seed)
     accum = base.optim.grad_accum
     total = base.train.steps or max(1, len(batches) // accum) * base.train.epochs
 
     # 2. one arm per config
     arms = [_build_arm(c, target, counts, total, world, device, init_from) for c in cfgs]
+    for cache, src in cached:  # the drafters as built (--init-from may bring other layers)
+        who = {f"the {a.drafter.kind} drafter of {a.run_dir}": a.drafter.target_layer_ids for a in arms}
+        _checked(cache.check_run, target, who, dcfg.max_length, where=src, root=cache.root)
     step = 0
     if resume_from is not None:
         steps = []
@@ -302,7 +325,7 @@ def train_arms(cfgs: list[Config], *, resume: bool = False, init_from: str | Non
             batch = next(batches).to(device)
             n_tokens += int(batch.attention_mask.sum())
             gens = [step_generator(base.train.seed, step, micro, rank, device=device) for _ in arms]
-            for i, res in enumerate(arms_micro_step(arms, target, batch, gens)):
+            for i, res in enumerate(arms_micro_step(arms, source, batch, gens)):
                 (res.loss / accum).backward()
                 accs[i].add(res.metrics)
                 for k, v in res.parts.items():
@@ -317,7 +340,7 @@ def train_arms(cfgs: list[Config], *, resume: bool = False, init_from: str | Non
             arm.opt.step()
             arm.sched.step()
         do_eval = last or (base.train.eval_every and step % base.train.eval_every == 0)
-        evals = evaluate_arms(arms, target, held_ex, base, device) if do_eval else [{} for _ in arms]
+        evals = evaluate_arms(arms, source, held_ex, base, device) if do_eval else [{} for _ in arms]
         for i, arm in enumerate(arms):
             grad_norm = grad_norms[i]
             record = {"step": step, "lr": arm.sched.get_last_lr()[0], "grad_norm": grad_norm,
@@ -440,18 +463,54 @@ def evaluate_arms(arms: list[Arm], target, examples, cfg: Config, device) -> lis
 
 
 # ----------------------------------------------------------------------------- helpers
-def _tokenize(convs, tok, max_length: int, source: str):
+def _tokenize(convs, tok, max_length: int, source: str, cache=None):
+    """The examples with a supervised token: ``convs`` tokenized, or (``cache``) the cache rows ``convs``."""
     from vatspec import data as D
 
-    out = []
-    for conv in convs:
-        ex = D.tokenize_conversation(conv, tok, max_length)
-        if any(ex.loss_mask):
-            out.append(ex)
+    if cache is not None:
+        examples = _checked(cache.examples, convs, where=source, root=cache.root)
+    else:
+        examples = [D.tokenize_conversation(conv, tok, max_length) for conv in convs]
+    out = [ex for ex in examples if any(ex.loss_mask)]
     if convs and not out:
         raise TrainError(f"{source}: none of {len(convs)} conversations keeps a supervised token "
                          f"within data.max_length={max_length}")
     return out
+
+
+def _open_cache(path: str, field: str, target, cfgs: list[Config], convs):
+    """The feature cache at ``path``, checked against the run: the target, every arm's layers, the max
+    length, and (``convs``: data.train given too) the conversations it was built from."""
+    from vatspec.features import FeatureCache, config_layer_ids
+    from vatspec.features.format import conversations_sha256
+
+    def layers(c: Config):
+        try:
+            return config_layer_ids(c.drafter, target.num_layers)
+        except ValueError as e:
+            raise TrainError(f"drafter.target_layer_ids: {e}") from None
+
+    cache = _checked(FeatureCache, path, where=f"{field}={path}", root=Path(path))
+    who = {f"the {c.drafter.kind} drafter of {c.train.out_dir}": layers(c) for c in cfgs}
+    _checked(cache.check_run, target, who, cfgs[0].data.max_length, where=f"{field}={path}", root=cache.root)
+    src = cache.manifest["source"]
+    if convs is not None and conversations_sha256(convs) != src["sha256"]:
+        raise TrainError(f"data.train={cfgs[0].data.train}: not the conversations the cache was built from "
+                         f"({field}={path} holds {src['conversations']} conversations of {src['path']}); "
+                         "leave data.train empty or rebuild the cache")
+    return cache
+
+
+def _checked(fn, *args, where: str, root=None):
+    """``fn(*args)``, a feature-cache error turned into a one-line TrainError: ``WHERE: what`` (the
+    cache's own ``ROOT: `` prefix replaced by ``where``, e.g. ``data.features=DIR``)."""
+    from vatspec.features import FeatureCacheError
+
+    try:
+        return fn(*args)
+    except FeatureCacheError as e:
+        msg = str(e).removeprefix(f"{root}: ") if root is not None else str(e)
+        raise TrainError(f"{where}: {msg}") from None
 
 
 def _pad_id(target) -> int:

@@ -12,6 +12,7 @@ from vatspec.checkpoint import CheckpointError
 from vatspec.commands import report
 from vatspec.config import ConfigError, load_config
 from vatspec.data import DataError
+from vatspec.features import FeatureCacheError
 from vatspec.target import TargetError
 from vatspec.train import TrainError, train
 
@@ -28,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         metrics = train(cfg, resume=args.resume, init_from=args.init_from, progress=not args.no_progress)
-    except (ConfigError, TrainError, CheckpointError, DataError, TargetError) as e:
+    except (ConfigError, TrainError, CheckpointError, DataError, TargetError, FeatureCacheError) as e:
         return report("train", e)
     if metrics:
         keys = ["tau_sim", "mean_first_reject", "post_reject_match", "loss"]

@@ -239,5 +239,5 @@ def test_eval_command_k_auto_calibrates_each_method(tiny, tmp_path, monkeypatch)
     cal = res["calibration"]["vat"]
     # the oracle accepts exactly 2 of every round's drafts: S = 1, 1, 0, 0 over k_max = 4
     assert cal["survival"] == [1.0, 1.0, 1.0, 0.0, 0.0] and cal["rounds"] > 0
-    assert res["config"]["k"] == {"vat": cal["k"]} and 0 <= cal["k"] <= 4
+    assert res["config"]["k"] == {"vat": cal["k"]} and 1 <= cal["k"] <= 4
     assert "Draft length chosen on held-out calibration prompts" in (tmp_path / "eval" / "results.md").read_text()

@@ -14,8 +14,9 @@ def test_worked_example():
     assert tokens == pytest.approx([1.0, 1.5, 1.75])
     assert speedup == pytest.approx([1.0, 1.25, 1.75 / 1.5])
     assert choose_k([1.0, 0.5, 0.25], [1.0, 1.2, 1.5]) == 1
-    # drafts that are never accepted: the AR baseline (k = 0) wins
-    assert choose_k([1.0, 0.0, 0.0], [1.0, 1.1, 1.2]) == 0
+    # drafts that are never accepted: the AR baseline (k = 0) would win; the choice stays at k = 1
+    assert choose_k([1.0, 0.0, 0.0], [1.0, 1.1, 1.2], k_min=0) == 0
+    assert choose_k([1.0, 0.0, 0.0], [1.0, 1.1, 1.2]) == 1
     # free drafting and certain acceptance: the longest k wins
     assert choose_k([1.0, 1.0, 1.0], [1.0, 1.0, 1.0]) == 2
 
@@ -38,7 +39,8 @@ def test_calibrate_reads_the_decodes_acceptance_and_prices_every_k():
     assert cal.rounds == len(rounds)
     assert len(cal.cost) == 4 and cal.cost[0] == 1.0 and all(c > 0 for c in cal.cost)
     assert cal.k == choose_k(cal.survival, cal.cost)
-    assert cal.speedup[cal.k] == max(cal.speedup)
+    assert cal.k >= 1 and cal.speedup[cal.k] == max(cal.speedup[1:])
+    assert cal.ar_wins == (cal.speedup[cal.k] < 1.0) and cal.to_dict()["ar_wins"] == cal.ar_wins
 
 
 def test_round_cost_prices_every_k_of_a_dflash_block_and_refuses_no_prompts():

@@ -36,12 +36,23 @@ def test_quick_demo_writes_a_complete_report(tmp_path):
     for name in ARMS:
         assert f"| {name} |" in report
     assert report.count("| Δ vs EAGLE-3 |") == 1 and report.count("| Δ vs DFlash |") == 1
+    assert "Draft length chosen on held-out calibration prompts" in report
+    assert "95% interval" in report and "Held-out accepted length per chain" in report
 
     data = json.loads((out / "demo.json").read_text())
     assert set(data["train_final"]) == set(ARMS)
     for name, m in data["train_final"].items():
         assert _finite(m["tau_sim"]) and 1.0 <= m["tau_sim"] <= size.ttt_steps + 1, name
         assert m["chains"] > 0
+    for vat, base in (("EAGLE-3 + VAT", "EAGLE-3"), ("DFlash + VAT", "DFlash")):
+        paired = data["train_paired"][vat]
+        assert paired["vs"] == base and paired["units"] == data["train_final"][vat]["chains"]
+        assert paired["low"] <= paired["estimate"] <= paired["high"]
+    results = json.loads((out / "eval" / "results.json").read_text())
+    cal, ks = results["calibration"], results["config"]["k"]
+    assert ks == {n: cal[n]["k"] for n in ARMS}  # decoded with the calibrated k
+    assert ks["EAGLE-3"] == ks["EAGLE-3 + VAT"] and ks["DFlash"] == ks["DFlash + VAT"]  # same settings per pair
+    assert set(results["paired_tau"]) == {"EAGLE-3 + VAT", "DFlash + VAT"}
     benches = set(size.benches)
     assert set(data["benchmarks"]) == benches
     for name in ["ar", *ARMS]:
@@ -76,3 +87,5 @@ def test_ablation_table(tmp_path):
         assert f"| {name} |" in table
         assert _finite(res[name]["tau_sim"])
     assert "head_first_reject_mae" in res["head only"] and "head_first_reject_mae" not in res["baseline"]
+    assert "paired_vs_baseline" in res["all three (VAT)"] and "paired_vs_baseline" not in res["baseline"]
+    assert "chain_accepted" not in json.loads((tmp_path / "ab" / "ablation.json").read_text())["baseline"]

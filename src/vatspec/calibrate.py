@@ -15,7 +15,8 @@ units of one autoregressive step (a 1-token target pass, no capture), so ``cost(
 1-token pass, so the best k is often smaller than the k the draft was trained for.
 
 Worked example: S = [0.5, 0.25], cost = [1, 1.2, 1.5] -> tokens per round 1, 1.5, 1.75 -> speedups
-1.0, 1.25, 1.17: k = 1.
+1.0, 1.25, 1.17: k = 1. The choice is among k >= 1 (k = 0 measures nothing about the draft); when
+even the best k is expected to be slower than the AR baseline, ``Calibration.ar_wins`` says so.
 
     cal = calibrate(target, drafter, calibration_prompts)      # held-out prompts, never the benchmarks
     generate(target, ids, drafter, k=cal.k)
@@ -45,8 +46,13 @@ class Calibration:
     rounds: int  # calibration rounds the survival curve rests on
     ar_step_s: float  # one AR step, seconds
 
+    @property
+    def ar_wins(self) -> bool:
+        """Even the chosen k is expected to be slower than decoding without the draft."""
+        return self.speedup[self.k] < 1.0
+
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "ar_wins": self.ar_wins}
 
 
 def acceptance_survival(rounds: Sequence[Round], k_max: int) -> list[float]:
@@ -71,10 +77,12 @@ def expected_speedup(survival: Sequence[float], cost: Sequence[float]) -> tuple[
     return tokens, [t / c for t, c in zip(tokens, cost)]
 
 
-def choose_k(survival: Sequence[float], cost: Sequence[float]) -> int:
-    """The k with the highest expected speedup (the smallest such k on a tie)."""
+def choose_k(survival: Sequence[float], cost: Sequence[float], k_min: int = 1) -> int:
+    """The k >= ``k_min`` with the highest expected speedup (the smallest such k on a tie). ``k_min``
+    is 1 by default: k = 0 would decode without the draft, so nothing about the draft would be
+    measured; ``Calibration.ar_wins`` says when even the best k is expected to lose to it."""
     _, speedup = expected_speedup(survival, cost)
-    return max(range(len(speedup)), key=lambda k: (speedup[k], -k))
+    return max(range(min(k_min, len(speedup) - 1), len(speedup)), key=lambda k: (speedup[k], -k))
 
 
 @torch.inference_mode()

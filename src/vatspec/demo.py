@@ -53,6 +53,7 @@ class DemoSize:
     eval_every: int = 12
     eval_prompts: int = 2  # per benchmark
     eval_tokens: int = 48  # max new tokens per evaluated prompt
+    calibration_prompts: int = 4  # held-out training prompts that choose each drafter's k (0 = the trained k)
     benches: tuple[str, ...] = ("gsm8k", "humaneval", "mt_bench", "alpaca")
     seed: int = 0
 
@@ -60,7 +61,7 @@ class DemoSize:
 SIZES = {
     "default": DemoSize(),
     "quick": DemoSize(prompts=16, regen_tokens=48, steps=8, batch_size=2, max_length=128, draft_vocab=2048,
-                      anchors=8, eval_every=4, eval_prompts=1, eval_tokens=24,
+                      anchors=8, eval_every=4, eval_prompts=1, eval_tokens=24, calibration_prompts=1,
                       benches=("gsm8k", "humaneval", "mt_bench")),
 }
 
@@ -188,7 +189,7 @@ def run_demo(out: Path, size: DemoSize, *, threads: int | None = None, progress:
     from vatspec.benchmarks import load_benchmark
     from vatspec.drafts import open_draft
     from vatspec.target import open_target, vatspec_home
-    from vatspec.train import train_arms
+    from vatspec.train import CHAINS_KEY, train_arms
 
     t_start = time.perf_counter()
     timings: dict[str, float] = {}
@@ -229,18 +230,24 @@ def run_demo(out: Path, size: DemoSize, *, threads: int | None = None, progress:
     for n, c in zip(names, cfgs):
         drafter, head = open_draft(c.train.out_dir, target)
         methods[n] = (drafter, head)
+    calibration = choose_k(target, methods, cfgs[0], size)
     prompts = {b: load_benchmark(b)[: size.eval_prompts] for b in size.benches}
     results = bench.evaluate(target, methods, prompts, temperature=0.0, max_new_tokens=size.eval_tokens,
-                             warmup=1, seed=size.seed, progress=progress)
+                             warmup=1, seed=size.seed, progress=progress,
+                             k={n: c["k"] for n, c in calibration.items()} or None)
+    if calibration:
+        results["calibration"] = calibration
     timings["eval"] = time.perf_counter() - t
 
     log.info("5/5 writing the report")
     eval_paths = bench.write_report(results, out / "eval", relative_to=BASELINE_OF)
     plot_curves(curves, out / "training_curves.png")
     timings["total"] = time.perf_counter() - t_start
+    chains = {n: f.pop(CHAINS_KEY, None) for n, f in zip(names, finals)}  # kept in each run's heldout_chains.json
     summary = {
         "size": dataclasses.asdict(size), "timings_s": timings, "regeneration": regen, "features": feature_info,
         "train_final": dict(zip(names, finals)),
+        "train_paired": paired_tau_sim(chains),
         "decode": results["summary"], "benchmarks": results["benchmarks"],
         "threads": torch.get_num_threads(),
     }
@@ -251,6 +258,41 @@ def run_demo(out: Path, size: DemoSize, *, threads: int | None = None, progress:
     (out / "report.md").write_text(report)
     log.info(f"done in {timings['total'] / 60:.1f} min: {out / 'report.md'}")
     return summary
+
+
+def choose_k(target, methods: dict, cfg, size: DemoSize) -> dict[str, dict]:
+    """Each drafter kind's k, chosen on held-out training prompts (the held-out split of training,
+    never the benchmarks) from the baseline arm's acceptance and the measured round cost, and used
+    by both arms of that kind: baseline and VAT decode with the same settings."""
+    if not size.calibration_prompts:
+        return {}
+    from vatspec import bench
+    from vatspec import data as D
+    from vatspec.calibrate import calibrate
+    from vatspec.train import heldout_split
+
+    _, held = heldout_split(D.load_conversations(cfg.data.train), cfg.data, cfg.train.seed)
+    ids = [bench.prompt_ids(target.tokenizer, c) for c in held[: size.calibration_prompts]]
+    out = {}
+    for vat, base in BASELINE_OF.items():
+        cal = calibrate(target, methods[base][0], ids, max_new_tokens=size.eval_tokens).to_dict()
+        log.info(f"    {base}: k = {cal['k']} (expected speedup {cal['speedup'][cal['k']]:.2f} on held-out prompts)")
+        out[base] = cal
+        out[vat] = {**cal, "chosen_on": base}
+    return out
+
+
+def paired_tau_sim(chains: dict[str, list[int] | None]) -> dict[str, dict]:
+    """Each VAT arm's held-out tau_sim difference from its baseline, chain by chain (both arms are
+    scored on the same held-out chains), with a 95% paired-bootstrap interval."""
+    from vatspec.stats import paired_difference
+
+    out = {}
+    for vat, base in BASELINE_OF.items():
+        a, b = chains.get(vat), chains.get(base)
+        if a and b and len(a) == len(b):
+            out[vat] = {"vs": base, **paired_difference(a, b).to_dict()}
+    return out
 
 
 def _prepare_out(out: Path) -> None:
@@ -265,6 +307,7 @@ def _prepare_out(out: Path) -> None:
 
 def _report_md(summary: dict, results: dict, eval_paths: dict, size: DemoSize) -> str:
     from vatspec import bench
+    from vatspec.stats import Difference
 
     t = summary["timings_s"]
     reg = summary["regeneration"]
@@ -310,6 +353,10 @@ def _report_md(summary: dict, results: dict, eval_paths: dict, size: DemoSize) -
         a, b = summary["train_final"][vat].get("tau_sim"), summary["train_final"][base].get("tau_sim")
         if a and b:
             lines.append(f"\nτ_sim of {vat} vs {base}: {100 * (a / b - 1):+.1f}%.")
+        d = summary.get("train_paired", {}).get(vat)
+        if d:
+            lines.append("\n" + Difference(**{f: d[f] for f in ("estimate", "low", "high", "level", "units", "base")})
+                         .sentence("Held-out accepted length per chain (τ_sim - 1)", vat, base, "chains"))
     lines += [
         "",
         "![training curves](training_curves.png)",
@@ -353,7 +400,14 @@ def run_ablation(out: Path, size: DemoSize, drafter: str, *, threads: int | None
     features, _ = prepare_features(target, data_path, arm_configs(names, size, data_path, out / "runs",
                                                                   loss_overrides=overrides), progress)
     cfgs = arm_configs(names, size, data_path, out / "runs", loss_overrides=overrides, features=features)
+    from vatspec.stats import paired_difference
+    from vatspec.train import CHAINS_KEY
+
     results = dict(zip(names, train_arms(cfgs, progress=progress)))
+    chains = {n: m.pop(CHAINS_KEY, None) for n, m in results.items()}
+    for name, m in results.items():
+        if name != names[0] and chains[name] and len(chains[name]) == len(chains[names[0]] or []):
+            m["paired_vs_baseline"] = paired_difference(chains[name], chains[names[0]]).to_dict()
     (out / "ablation.md").write_text(
         f"# VAT ablation on {drafter} (SmolLM2-135M-Instruct, held-out split)\n\n"
         f"Same data ({size.prompts} regenerated conversations), steps ({size.steps}) and seed for every row; "
@@ -364,11 +418,14 @@ def run_ablation(out: Path, size: DemoSize, drafter: str, *, threads: int | None
 
 def ablation_table(results: dict[str, dict]) -> str:
     """Markdown: each variant's held-out metrics and its τ_sim change over the first row (the baseline)."""
-    rows = ["| Variant | τ_sim | Δ vs baseline | mean first rejection | post-rejection match |",
-            "|---|---:|---:|---:|---:|"]
+    rows = ["| Variant | τ_sim | Δ vs baseline | Δ accepted per chain [95% paired interval] | mean first rejection "
+            "| post-rejection match |",
+            "|---|---:|---:|---:|---:|---:|"]
     b = next(iter(results.values())).get("tau_sim")
     for name, m in results.items():
         d = f"{100 * (m['tau_sim'] / b - 1):+.1f}%" if b else "n/a"
-        rows.append(f"| {name} | {_fmt(m.get('tau_sim'), 3)} | {d} | {_fmt(m.get('mean_first_reject'), 3)} | "
+        p = m.get("paired_vs_baseline")
+        ci = f"{p['estimate']:+.3f} [{p['low']:+.3f}, {p['high']:+.3f}]" if p else "-"
+        rows.append(f"| {name} | {_fmt(m.get('tau_sim'), 3)} | {d} | {ci} | {_fmt(m.get('mean_first_reject'), 3)} | "
                     f"{_fmt(m.get('post_reject_match'), 3)} |")
     return "\n".join(rows) + "\n"

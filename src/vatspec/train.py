@@ -264,8 +264,7 @@ def train_arms(cfgs: list[Config], *, resume: bool = False, init_from: str | Non
             held_items = D.load_conversations(dcfg.heldout, skip_bad=dcfg.skip_bad)
         train_items = items
     else:
-        n_held = min(dcfg.heldout_max, max(1, round(len(items) * dcfg.heldout_fraction)))
-        train_items, held_items = D.split_heldout(items, n_held if len(items) > 1 else 0, seed=base.train.seed)
+        train_items, held_items = heldout_split(items, dcfg, base.train.seed)
     train_src = f"data.features={dcfg.features}" if train_cache else dcfg.train
     held_src = (f"data.heldout={dcfg.heldout}" if train_cache else dcfg.heldout) if dcfg.heldout else train_src
     train_ex = _tokenize(train_items, tok, dcfg.max_length, train_src, train_cache)
@@ -375,6 +374,15 @@ def train_arms(cfgs: list[Config], *, resume: bool = False, init_from: str | Non
     for bar in bars:
         bar.close()
     return finals
+
+
+def heldout_split(items: list, data_cfg, seed: int) -> tuple[list, list]:
+    """(train, held-out) items as training splits them when ``data.heldout`` is not given:
+    ``heldout_fraction`` of the items, at most ``heldout_max``, at least 1 (none of a single item)."""
+    from vatspec import data as D
+
+    n_held = min(data_cfg.heldout_max, max(1, round(len(items) * data_cfg.heldout_fraction)))
+    return D.split_heldout(items, n_held if len(items) > 1 else 0, seed=seed)
 
 
 def _build_arm(cfg: Config, target, counts, total: int, world: int, device, init_from) -> Arm:

@@ -104,3 +104,24 @@ def test_prepare_prompts_with_sharegpt(tmp_path):
     assert {c.meta["source"] for c in convs} == {"sharegpt", "alpaca"}
     bench = raw_benchmark_prompts()
     assert all(" ".join(p.lower().split()) not in bench for c in convs for p in c.prompts())
+
+
+@pytest.mark.slow
+def test_prepare_data_with_answers_keeps_the_original_replies(tmp_path, capsys):
+    from vatspec import cli
+    from vatspec.data import load_conversations
+
+    out = tmp_path / "train.jsonl"
+    assert cli.main(["prepare-data", "--n", "50", "--answers", "--max-turns", "1", "--max-chars", "600",
+                     "--out", str(out)]) == 0
+    assert "with their original answers" in capsys.readouterr().out
+    convs = load_conversations(out)  # requires an assistant turn in every record
+    assert len(convs) == 50 and {c.meta["source"] for c in convs} == {"sharegpt"}
+    bench = raw_benchmark_prompts()
+    for c in convs:
+        roles = [m["role"] for m in c.messages if m["role"] != "system"]
+        assert roles[0] == "user" and roles.count("user") == 1 and "assistant" in roles
+        assert all(" ".join(p.lower().split()) not in bench for p in c.prompts())
+    # the alpaca rows have no answers: one clear line
+    assert cli.main(["prepare-data", "--n", "5", "--answers", "--sources", "alpaca", "--out", str(tmp_path / "a")]) == 1
+    assert "carry no answers" in capsys.readouterr().out and not (tmp_path / "a").exists()

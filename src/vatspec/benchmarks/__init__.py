@@ -146,12 +146,16 @@ def iter_sharegpt(path: Path | None = None, info: dict | None = None) -> Iterato
         yield from iter_json_array(f, str(path), tolerate_cut=True, info=info)
 
 
-def sharegpt_prompts(path: Path | None = None, info: dict | None = None) -> list[Conversation]:
-    """Prompt-only conversations (system + user turns) from the recovered ShareGPT records.
+def sharegpt_prompts(
+    path: Path | None = None, info: dict | None = None, *, answers: bool = False
+) -> list[Conversation]:
+    """Prompt-only conversations (system + user turns) from the recovered ShareGPT records, or with
+    ``answers`` the whole conversations, the original assistant turns included.
 
     Leading assistant turns are dropped (the split parts ``*_1``, ``*_2`` start mid-dialogue,
     so those are skipped: their first user turn lacks its context); records with an unknown
-    role, an empty user turn or no user turn are skipped. ``info["skipped"]`` counts them.
+    role, an empty turn, no user turn (or, with ``answers``, no assistant turn) are skipped.
+    ``info["skipped"]`` counts them.
     """
     path = path or sharegpt_path()
     info = info if info is not None else {}
@@ -167,8 +171,9 @@ def sharegpt_prompts(path: Path | None = None, info: dict | None = None) -> list
         except DataError:
             skipped += 1
             continue
-        msgs = [m for m in conv.messages if m["role"] != "assistant"]
-        if not any(m["role"] == "user" for m in msgs) or any(not m["content"].strip() for m in msgs):
+        msgs = [m for m in conv.messages if answers or m["role"] != "assistant"]
+        roles = {m["role"] for m in msgs}
+        if "user" not in roles or (answers and "assistant" not in roles) or any(not m["content"].strip() for m in msgs):
             skipped += 1
             continue
         out.append(Conversation(f"sharegpt/{conv.id}", msgs, {"source": "sharegpt"}))
@@ -192,18 +197,24 @@ def prepare_prompts(
     sources: tuple[str, ...] = ("sharegpt", "alpaca"),
     max_turns: int | None = None,
     max_chars: int | None = 4096,
+    answers: bool = False,
 ) -> list[Conversation]:
     """``n`` training prompts drawn (seeded) from the corpora, disjoint from every benchmark.
 
     Each result is a prompt-only conversation (system and user turns; ``vatspec regenerate``
-    adds the target's responses). ``max_turns`` and ``max_chars`` as in ``pick_prompts``.
-    Written as JSONL (``{"id", "messages", "meta"}``) to ``out`` when given.
+    adds the target's responses), or with ``answers`` the corpus's own conversation with its
+    original assistant turns: training needs no regeneration then, since the soft and hard labels
+    come from the target's logits at every position (docs/results.md measures both). Only ShareGPT
+    has answers. ``max_turns`` and ``max_chars`` as in ``pick_prompts``. Written as JSONL
+    (``{"id", "messages", "meta"}``) to ``out`` when given.
     """
     corpus: list[Conversation] = []
     for s in sources:
         if s == "sharegpt":
-            corpus += sharegpt_prompts()
+            corpus += sharegpt_prompts(answers=answers)
         elif s == "alpaca":
+            if answers:
+                raise ValueError("the alpaca training rows carry no answers; use sources=('sharegpt',) with answers")
             corpus += alpaca_train_prompts()
         else:
             raise ValueError(f"unknown source {s!r}; expected 'sharegpt' or 'alpaca'")

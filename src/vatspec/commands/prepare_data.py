@@ -2,6 +2,7 @@
 prompts is a bundled benchmark prompt).
 
     vatspec prepare-data --n 512 --out runs/prompts.jsonl
+    vatspec prepare-data --n 2000 --answers --max-turns 1 --out runs/train.jsonl   # no regeneration needed
 """
 
 from __future__ import annotations
@@ -13,7 +14,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n", type=int, required=True, help="number of conversations to write")
     parser.add_argument("--out", required=True, help="output JSONL prompt file")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--sources", default="sharegpt,alpaca", help="comma-separated: sharegpt, alpaca")
+    parser.add_argument("--sources", default=None,
+                        help="comma-separated: sharegpt, alpaca (default: both; sharegpt with --answers)")
+    parser.add_argument("--answers", action="store_true",
+                        help="keep the corpus's original assistant answers (ShareGPT only): a training file "
+                             "that needs no regeneration, the labels come from the target's logits")
     parser.add_argument("--max-turns", type=int, default=None, help="keep at most this many user turns")
     parser.add_argument("--max-chars", type=int, default=4096, help="skip prompts with more user text than this")
 
@@ -24,20 +29,23 @@ def run(args: argparse.Namespace) -> int:
     from vatspec.benchmarks import prepare_prompts
     from vatspec.data import DataError
 
+    sources = args.sources or ("sharegpt" if args.answers else "sharegpt,alpaca")
     try:
         convs = prepare_prompts(
             args.n,
             args.seed,
             args.out,
-            sources=tuple(s.strip() for s in args.sources.split(",") if s.strip()),
+            sources=tuple(s.strip() for s in sources.split(",") if s.strip()),
             max_turns=args.max_turns,
             max_chars=args.max_chars,
+            answers=args.answers,
         )
-    except DataError as e:
+    except (DataError, ValueError) as e:
         print(f"vatspec prepare-data: {e}")
         return 1
     by_source = Counter(c.meta.get("source", "?") for c in convs)
     turns = sum(len(c.prompts()) for c in convs)
-    print(f"wrote {len(convs)} prompt conversations ({turns} user turns) to {args.out}: {dict(by_source)}")
+    what = "conversations with their original answers" if args.answers else "prompt conversations"
+    print(f"wrote {len(convs)} {what} ({turns} user turns) to {args.out}: {dict(by_source)}")
     print("none matches a bundled benchmark prompt (normalised text)")
     return 0

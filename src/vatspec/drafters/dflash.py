@@ -144,7 +144,7 @@ class DFlashConfig(SavedConfig):
     rope_scaling: dict | None = None  # non-default RoPE parameters of the target (HF rope_parameters)
     max_position_embeddings: int = 32768
     initializer_range: float = 0.02
-    target_model_type: str = "qwen3"
+    target_model_type: str = "qwen3"  # recorded only: the served DFlash layer is a Qwen3 layer whatever the target
 
     def __post_init__(self):
         object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))

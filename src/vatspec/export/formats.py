@@ -72,8 +72,11 @@ def expected_weights(fmt: str, cfg: dict) -> dict[str, tuple[int, ...]]:
             out |= layer(f"layers.{i}.")
         return out
     V, Vd = lc["vocab_size"], cfg["draft_vocab_size"]
-    return {"fc.weight": (H, 3 * Ht), **layer("midlayer." if fmt == "eagle3-hf" else "layers.0."),
-            "norm.weight": (H,), "lm_head.weight": (Vd, H), "d2t": (Vd,), "t2d": (V,)}
+    out = {"fc.weight": (H, 3 * Ht), **layer("midlayer." if fmt == "eagle3-hf" else "layers.0."),
+           "norm.weight": (H,), "lm_head.weight": (Vd, H), "d2t": (Vd,), "t2d": (V,)}
+    if fmt == "speculators":  # the target's embedding: the library does not load it from the verifier
+        out["embed_tokens.weight"] = (V, H)
+    return out
 
 
 def served_name(fmt: str, name: str) -> str:

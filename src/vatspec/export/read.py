@@ -44,9 +44,8 @@ def import_draft(path: str | Path, target, *, k: int | None = None,
     cfg = read_json(path / CONFIG)
     fmt = detect_format(cfg, src)
     weights = {internal_name(fmt, name): v for name, v in _read_weights(path).items()}
-    emb = weights.pop("embed_tokens.weight", None)  # speculators' converter adds the verifier's embedding
-    if emb is not None and not (emb.shape == target.embed_tokens.weight.shape and torch.allclose(
-            emb.float(), target.embed_tokens.weight.detach().float().cpu(), atol=1e-2)):
+    emb = weights.pop("embed_tokens.weight", None)  # speculators exports carry the verifier's embedding
+    if emb is not None and not embedding_matches(emb, target):
         warnings.warn(f"{path}: embed_tokens.weight differs from the target's embedding; the drafter uses the "
                       "target's (as SGLang and vLLM do when the shapes agree)", stacklevel=2)
     if fmt == "dflash":
@@ -67,6 +66,24 @@ def import_draft(path: str | Path, target, *, k: int | None = None,
         except ValueError as e:
             raise ExportError(f"{path}: d2t / t2d: {e}") from e
     return drafter.to(device or target.device).eval()
+
+
+EMBEDDING_ATOL = 1e-2  # a bfloat16 copy of the target's embedding rounds by far less
+
+
+def embedding_matches(emb: Tensor, target) -> bool:
+    """Whether a served ``embed_tokens.weight`` is the target's input embedding (up to dtype rounding)."""
+    want = target.input_embedding()
+    return emb.shape == want.shape and bool(torch.allclose(emb.float(), want.float(), atol=EMBEDDING_ATOL))
+
+
+def engine_layer_order(ids: list[int], src: str) -> list[int]:
+    """The ids as the engines use them: they capture the target's layers in the order those run, so
+    ``fc`` reads the features in increasing layer order whatever order the config lists."""
+    if ids != sorted(ids):
+        warnings.warn(f"{src}: layer ids {ids} are not in increasing order; the engines feed fc the layers in "
+                      f"the order they run ({sorted(ids)}), and so does this import", stacklevel=3)
+    return sorted(ids)
 
 
 def _fit(src: str, name: str, have, want) -> None:
@@ -107,6 +124,7 @@ def _eagle3_config(fmt: str, cfg: dict, target, src: str, k: int | None) -> Eagl
         ids = [int(i) - 1 for i in vllm]
     else:
         ids = list(default_layer_ids(target.num_layers))
+    ids = engine_layer_order(ids, src)
     if len(ids) != 3 or min(ids) < 0 or max(ids) >= target.num_layers:
         raise ExportError(f"{src}: layer ids {ids} (output of layer i) do not fit a {target.num_layers}-layer target")
     if k is None and fmt == "speculators":
@@ -161,14 +179,15 @@ def _dflash_config(cfg: dict, target, src: str) -> DFlashConfig:
     theta, scaling = rope_parameters(cfg)
     try:
         return DFlashConfig(
-            target_layer_ids=tuple(ids), num_target_layers=NT, target_hidden_size=cfg.get("target_hidden_size") or H,
+            target_layer_ids=tuple(engine_layer_order(ids, src)), num_target_layers=NT,
+            target_hidden_size=cfg.get("target_hidden_size") or H,
             vocab_size=target.vocab_size, hidden_size=H, num_attention_heads=nh,
             num_key_value_heads=cfg.get("num_key_value_heads") or nh, head_dim=cfg.get("head_dim") or H // nh,
             intermediate_size=cfg["intermediate_size"], mask_token_id=int(mask_id), mask_source="override",
             mask_token=mask, num_layers=L, block_size=int(dc.get("block_size", cfg.get("block_size", 16))),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
-            target_model_type=str(cfg.get("model_type", "qwen3")),
+            target_model_type=str(getattr(target.config, "model_type", "qwen3")),
         )
     except ValueError as e:
         raise ExportError(f"{src}: {e}") from e

@@ -22,7 +22,7 @@ from vatspec.export.formats import (
     read_json,
     to_vllm_ids,
 )
-from vatspec.export.read import load_accept_head
+from vatspec.export.read import embedding_matches, load_accept_head
 from vatspec.target import DTYPES
 
 
@@ -43,7 +43,7 @@ def validate_export(path: str | Path, target=None) -> str:
     if not bad:
         _check_weights(fmt, cfg, path / WEIGHTS, bad)
     if not bad and target is not None:
-        _check_fit(fmt, cfg, target, bad)
+        _check_fit(fmt, cfg, path / WEIGHTS, target, bad)
     if (path / HEAD_DIR).exists():
         try:
             head, _ = load_accept_head(path)
@@ -88,6 +88,8 @@ def _check_config(fmt: str, cfg: dict, bad: list[str]) -> None:
             nt = cfg["num_target_layers"]
             want(_int_list(ids) and len(ids) >= 1 and all(0 <= i < nt for i in ids),
                  f"dflash_config.target_layer_ids {ids} must be ids in [0, num_target_layers={nt})")
+            want(_increasing(ids), f"dflash_config.target_layer_ids {ids} must be distinct and increasing (the "
+                 "engines capture layers in the order they run)")
             want(_int_list(ids) and cfg["eagle_aux_hidden_state_layer_ids"] == to_vllm_ids(ids),
                  f"eagle_aux_hidden_state_layer_ids {cfg['eagle_aux_hidden_state_layer_ids']} must be "
                  f"dflash_config.target_layer_ids + 1 (vLLM counts the input of a layer)")
@@ -106,6 +108,8 @@ def _check_config(fmt: str, cfg: dict, bad: list[str]) -> None:
     vllm = cfg["eagle_aux_hidden_state_layer_ids"]
     want(_int_list(vllm) and len(vllm) == 3 and min(vllm) >= 1,
          f"eagle_aux_hidden_state_layer_ids {vllm} must be 3 vLLM ids (input of layer j, so >= 1)")
+    want(_increasing(vllm), f"eagle_aux_hidden_state_layer_ids {vllm} must be distinct and increasing (the engines "
+         "capture layers in the order they run)")
     if fmt == "eagle3-hf" and keys(cfg["eagle_config"], {"use_aux_hidden_state", "eagle_aux_hidden_state_layer_ids"},
                                    "eagle_config"):
         ids = cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
@@ -154,7 +158,7 @@ def _check_weights(fmt: str, cfg: dict, file: Path, bad: list[str]) -> None:
 _ST_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 
-def _check_fit(fmt: str, cfg: dict, target, bad: list[str]) -> None:
+def _check_fit(fmt: str, cfg: dict, file: Path, target, bad: list[str]) -> None:
     lc = cfg["transformer_layer_config"] if fmt == "speculators" else cfg
     ids = cfg["dflash_config"]["target_layer_ids"] if fmt == "dflash" else \
         [i - 1 for i in cfg["eagle_aux_hidden_state_layer_ids"]]
@@ -168,6 +172,15 @@ def _check_fit(fmt: str, cfg: dict, target, bad: list[str]) -> None:
             bad.append(f"{CONFIG}: {name}={have} does not match the target ({want})")
     if max(ids) >= target.num_layers:
         bad.append(f"{CONFIG}: layer ids {ids} (output of layer i) out of range for a {target.num_layers}-layer target")
+    if fmt == "speculators":
+        with safe_open(str(file), framework="pt") as f:
+            emb = f.get_tensor("embed_tokens.weight")
+        if not embedding_matches(emb, target):
+            bad.append(f"{WEIGHTS}: embed_tokens.weight is not the target's input embedding")
+
+
+def _increasing(x) -> bool:
+    return _int_list(x) and all(a < b for a, b in zip(x, x[1:]))
 
 
 def _int_list(x) -> bool:

@@ -7,7 +7,9 @@ import os
 import shutil
 from pathlib import Path
 
+import torch
 from safetensors.torch import save_file
+from torch import Tensor
 
 from vatspec.drafters.base import AcceptHead
 from vatspec.drafters.dflash import DFlashConfig
@@ -34,7 +36,9 @@ def _layer_fields(c: Eagle3Config | DFlashConfig, num_layers: int) -> dict:
     heads = c.num_heads if isinstance(c, Eagle3Config) else c.num_attention_heads
     kv = c.num_kv_heads if isinstance(c, Eagle3Config) else c.num_key_value_heads
     return {
-        "model_type": "llama" if isinstance(c, Eagle3Config) else c.target_model_type,
+        # the layer's family: EAGLE-3's is a Llama layer; DFlash's has q/k norms, a Qwen3 layer (the z-lab
+        # reference builds it from a Qwen3Config whatever the target is)
+        "model_type": "llama" if isinstance(c, Eagle3Config) else "qwen3",
         "vocab_size": c.vocab_size, "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
         "num_hidden_layers": num_layers, "num_attention_heads": heads, "num_key_value_heads": kv,
         "head_dim": c.head_dim, "hidden_act": getattr(c, "hidden_act", "silu"), "rms_norm_eps": c.rms_norm_eps,
@@ -51,7 +55,7 @@ def build_config(fmt: str, drafter, target, dtype: str, *, k: int | None = None,
     ``drafter.k``, the TTT steps) and ``verifier``, the target name vLLM loads when serving the draft
     folder alone (default: the target's path)."""
     c = drafter.config
-    ids = [int(i) for i in c.target_layer_ids]
+    ids = sorted(int(i) for i in c.target_layer_ids)  # the engines capture layers in this order
     if fmt == "dflash":
         mask = {"mask_token_id": c.mask_token_id, "target_layer_ids": ids}
         if c.mask_token is not None:  # SGLang reads the string too (default "<|MASK|>")
@@ -114,7 +118,7 @@ def export_draft(
     cfg = build_config(fmt, drafter, target, dtype, k=k, verifier=verifier)
     state = {
         served_name(fmt, name): (v.to(DTYPES[dtype]) if v.is_floating_point() else v).detach().cpu().contiguous()
-        for name, v in drafter.state_dict().items()
+        for name, v in served_state(fmt, drafter, target).items()
     }
 
     def write(folder: Path) -> None:
@@ -127,8 +131,31 @@ def export_draft(
     return _write_atomically(Path(out), write, force=force)
 
 
+def served_state(fmt: str, drafter, target) -> dict[str, Tensor]:
+    """The drafter's tensors as the engines read them (internal names, the drafter's dtype):
+
+    * ``fc``'s input blocks in increasing layer order: both engines capture the target's layers in
+      the order they run, whatever order the config lists them in, so a drafter trained on ids
+      (26, 1, 14) has its columns permuted to (1, 14, 26);
+    * speculators: ``embed_tokens.weight``, the target's input embedding. The speculators library
+      fills a missing embedding with uninitialised memory when it loads, and vLLM shares the
+      target's only when the two are equal."""
+    state = dict(drafter.state_dict())
+    ids = [int(i) for i in drafter.config.target_layer_ids]
+    order = sorted(range(len(ids)), key=ids.__getitem__)
+    if order != list(range(len(ids))):
+        blocks = state["fc.weight"].chunk(len(ids), dim=1)  # [H, Ht] each, in the drafter's order
+        state["fc.weight"] = torch.cat([blocks[j] for j in order], dim=1)
+    if fmt == "speculators":
+        state["embed_tokens.weight"] = target.input_embedding()
+    return state
+
+
 def _check_exportable(drafter) -> None:
     c = drafter.config
+    ids = list(c.target_layer_ids)
+    if len(set(ids)) != len(ids):
+        raise ExportError(f"the draft reads layer ids {ids} with a repeat; the engines capture each layer once")
     if drafter.kind == "eagle3":
         if len(c.target_layer_ids) != 3:
             raise ExportError(f"EAGLE-3 engines read exactly 3 target layers (fc: 3 * target_hidden_size); "

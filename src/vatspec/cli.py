@@ -18,6 +18,7 @@ COMMANDS: dict[str, str] = {
     "train": "train an EAGLE-3 or DFlash drafter (loss.kind=eagle3|dflash|vat)",
     "eval": "speculative decoding: tau and wall-clock speedup on benchmarks",
     "export": "write a draft in SGLang / vLLM / speculators format",
+    "check": "check a served draft folder the way the engines load it, and measure its acceptance",
     "demo": "the main job: baselines vs VAT on the embedded default target",
     "ablate": "the paper's ablation on one drafter",
 }

@@ -7,12 +7,14 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
-from vatspec.checkpoint import CheckpointError, saved_config
+from vatspec.checkpoint import CheckpointError, resolve_checkpoint, saved_config
 from vatspec.commands import DTYPE_METAVAR, dtype_arg, report
 from vatspec.drafts import open_draft
 from vatspec.export import DEFAULT_FORMAT, FORMATS, export_draft, to_vllm_ids
 from vatspec.export.formats import HEAD_DIR
+from vatspec.export.record import training_record
 from vatspec.target import TargetError, open_target
 
 
@@ -36,9 +38,12 @@ def run(args: argparse.Namespace) -> int:
         target = open_target(target_path, device="meta")  # config and tokenizer: no weight is read
         drafter, head = open_draft(args.checkpoint, target, device="cpu")
         fmt = args.format or DEFAULT_FORMAT[drafter.kind]
+        src = Path(args.checkpoint)
+        from_run = (src / "drafter.safetensors").is_file() or (src / "latest").is_file()  # else a served draft
+        training = training_record(resolve_checkpoint(src), drafter.k) if from_run else None
         out = export_draft(drafter, target, args.out, fmt=fmt, head=head, exit_threshold=args.exit_threshold,
                            dtype=args.dtype, force=args.force, k=args.k,
-                           verifier=args.verifier)
+                           verifier=args.verifier, training=training)
     except (CheckpointError, TargetError, ValueError) as e:
         return report("export", e)
     ids = list(drafter.target_layer_ids)

@@ -23,6 +23,7 @@ from vatspec.export.formats import (
     to_vllm_ids,
 )
 from vatspec.export.read import embedding_matches, load_accept_head
+from vatspec.export.record import RECORD
 from vatspec.target import DTYPES
 
 
@@ -37,9 +38,9 @@ def validate_export(path: str | Path, target=None) -> str:
     bad: list[str] = []
     _check_config(fmt, cfg, bad)
     extra_files = sorted(p.name for p in path.iterdir()) if path.is_dir() else []
-    extra_files = [n for n in extra_files if n not in (CONFIG, WEIGHTS, HEAD_DIR)]
+    extra_files = [n for n in extra_files if n not in (CONFIG, WEIGHTS, HEAD_DIR, RECORD)]
     if extra_files:
-        bad.append(f"unexpected files {extra_files} (an export holds {CONFIG}, {WEIGHTS}, {HEAD_DIR}/)")
+        bad.append(f"unexpected files {extra_files} (an export holds {CONFIG}, {WEIGHTS}, {RECORD}, {HEAD_DIR}/)")
     if not bad:
         _check_weights(fmt, cfg, path / WEIGHTS, bad)
     if not bad and target is not None:

@@ -26,6 +26,7 @@ from vatspec.export.formats import (
     served_name,
     to_vllm_ids,
 )
+from vatspec.export.record import RECORD, make_record
 from vatspec.export.validate import validate_export
 from vatspec.target import DTYPES, dtype_name
 
@@ -96,12 +97,15 @@ def export_draft(
     force: bool = False,
     k: int | None = None,
     verifier: str | None = None,
+    training: dict | None = None,
 ) -> Path:
     """Write ``drafter`` (and ``head`` beside it) as a served draft folder; return the folder.
 
     ``fmt`` defaults from the drafter kind; ``dtype`` (float32 | bfloat16 | float16, or an alias) from its weights.
     The folder is written under a temporary name, validated (``validate_export``) and only then
-    renamed to ``out``; an existing non-empty ``out`` is replaced only with ``force``.
+    renamed to ``out``; an existing non-empty ``out`` is replaced only with ``force``. Beside the
+    weights, ``vatspec.json`` records the layer ids trained on, the target's tokenizer identity and
+    ``training`` (``record.training_record``: the checkpoint and its held-out metrics) for ``vatspec check``.
     """
     fmt = fmt or DEFAULT_FORMAT[drafter.kind]
     if fmt not in FORMATS:
@@ -124,6 +128,7 @@ def export_draft(
     def write(folder: Path) -> None:
         (folder / CONFIG).write_text(json.dumps(cfg, indent=2) + "\n")
         save_file(state, folder / WEIGHTS, metadata={"format": "pt"})
+        (folder / RECORD).write_text(json.dumps(make_record(drafter, target, training), indent=2) + "\n")
         if head is not None:
             _write_head(folder / HEAD_DIR, head, drafter, exit_threshold)
         validate_export(folder, target)

@@ -1,0 +1,287 @@
+"""``vatspec check``: is a served draft folder what the engine will run, and does it accept what it did
+in training?
+
+A draft can load without an error and still be served wrong: a layer id off by one, an embedding the
+loader never filled, another RoPE base, another tokenizer. Acceptance then collapses silently. This
+module reads any served folder (this project's exports or a peer trainer's: EAGLE-3 HF, speculators,
+DFlash) the way the engines do, checks the conventions they rely on, and measures greedy
+acceptance on held-out prompts next to what training measured (``vatspec.json``, when the folder has one).
+
+    report = check_draft(folder, target, prompts)    # -> CheckReport; report.ok, report.findings
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from vatspec.decode import generate
+from vatspec.drafters.layers import rope_parameters
+from vatspec.drafters.vocab import check_draft_vocab
+from vatspec.export.formats import CONFIG, ExportError, detect_format, read_json
+from vatspec.export.read import embedding_matches, import_draft, load_accept_head
+from vatspec.export.record import read_record, target_fingerprint
+
+# "far below training": the served draft accepts less than this fraction of the drafted tokens per
+# round that training's held-out simulation accepted. A served-wrong draft falls to ~0 (a shifted
+# layer or a wrong embedding leaves step-0 accuracy near chance); prompt-set differences alone move
+# it by tens of percent, not by half.
+COLLAPSE_RATIO = 0.5
+MIN_TRAINED_ACCEPT = 0.05  # below this many accepted drafts per chain in training there is nothing to compare
+
+
+@dataclass
+class Finding:
+    ok: bool
+    what: str  # the convention checked, e.g. "layer ids"
+    detail: str  # what was found; names the field or tensor
+
+
+@dataclass
+class CheckReport:
+    folder: str
+    format: str | None
+    findings: list[Finding] = field(default_factory=list)
+    measured: dict | None = None  # decode at T=0: tau, per-position acceptance, prompts, rounds
+    training: dict | None = None  # vatspec.json's held-out metrics, when recorded
+
+    @property
+    def ok(self) -> bool:
+        return all(f.ok for f in self.findings)
+
+    def to_dict(self) -> dict:
+        return {"folder": self.folder, "format": self.format, "ok": self.ok,
+                "findings": [vars(f) for f in self.findings], "measured": self.measured, "training": self.training}
+
+
+# ----------------------------------------------------------------------------- conventions
+def engine_layer_ids(fmt: str, cfg: dict, num_layers: int) -> tuple[list[int], list[Finding]]:
+    """The target layers (ours: output of layer i) the engine captures for this config, in the order
+    the config lists them, and findings on the fields that say so."""
+    found: list[Finding] = []
+    if fmt == "dflash":
+        dc = cfg.get("dflash_config") or {}
+        ids = dc.get("target_layer_ids", cfg.get("target_layer_ids"))
+        vllm = cfg.get("eagle_aux_hidden_state_layer_ids")
+        if ids is None:
+            return [], [Finding(False, "layer ids", "dflash_config.target_layer_ids is missing")]
+        if vllm is not None and [int(i) - 1 for i in vllm] != [int(i) for i in ids]:
+            found.append(Finding(False, "layer ids", f"eagle_aux_hidden_state_layer_ids {vllm} (vLLM, input of "
+                                 f"layer j) is not dflash_config.target_layer_ids {ids} + 1: the engines read "
+                                 "different layers"))
+        return [int(i) for i in ids], found
+    vllm = cfg.get("eagle_aux_hidden_state_layer_ids")
+    sglang = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") if fmt == "eagle3-hf" else None
+    if sglang is not None and vllm is not None and [int(i) + 1 for i in sglang] != [int(i) for i in vllm]:
+        found.append(Finding(False, "layer ids", f"eagle_config.eagle_aux_hidden_state_layer_ids {sglang} (SGLang, "
+                             f"output of layer i) and eagle_aux_hidden_state_layer_ids {vllm} (vLLM, input of layer j) "
+                             "disagree: SGLang and vLLM would read different layers"))
+    if sglang is not None:
+        return [int(i) for i in sglang], found
+    if vllm is not None:
+        return [int(i) - 1 for i in vllm], found
+    L = num_layers
+    return [1, L // 2 - 1, L - 4], found  # both engines' default, [2, L//2, L-3] input-of-layer
+
+
+def convention_findings(folder: Path, target) -> tuple[str | None, list[Finding]]:
+    """Every convention the engines rely on, checked on ``folder`` against ``target``."""
+    src = folder / CONFIG
+    try:
+        cfg = read_json(src)
+        fmt = detect_format(cfg, str(src))
+    except ExportError as e:
+        return None, [Finding(False, "format", str(e))]
+    out = [Finding(True, "format", f"{fmt} ({', '.join(cfg.get('architectures') or [])})")]
+    lc = cfg.get("transformer_layer_config") if fmt == "speculators" else cfg
+    lc = lc if isinstance(lc, dict) else {}
+
+    # 1. layer ids: in range, distinct, increasing (the engines capture layers in the order they run)
+    ids, found = engine_layer_ids(fmt, cfg, target.num_layers)
+    out += found
+    L = target.num_layers
+    if ids:
+        in_range = all(0 <= i < L for i in ids)
+        out.append(Finding(in_range, "layer ids", f"{ids} (output of layer i) "
+                           + ("in range" if in_range else f"out of range for a {L}-layer target")))
+        ordered = all(a < b for a, b in zip(ids, ids[1:]))
+        out.append(Finding(ordered, "layer order", "increasing" if ordered else
+                           f"{ids} not distinct and increasing: the engines feed fc the layers in the order they run "
+                           f"({sorted(set(ids))}), not the listed order"))
+    record = read_record(folder)
+    if record is not None and ids:
+        trained = sorted(int(i) for i in record.get("target_layer_ids") or [])
+        same = trained == sorted(ids)
+        out.append(Finding(same, "layer ids vs training", f"served {sorted(ids)} = trained {trained}" if same else
+                           f"config.json makes the engines read layers {sorted(ids)} (output of layer i), the draft "
+                           f"was trained on {trained} (vatspec.json)"))
+
+    # 2. sizes: the draft shares the target's embedding (and, DFlash, its lm_head)
+    sizes = {"vocab_size": (lc.get("vocab_size"), target.vocab_size),
+             "hidden_size": (lc.get("hidden_size"), target.hidden_size),
+             "target_hidden_size": (cfg.get("target_hidden_size") or lc.get("hidden_size"), target.hidden_size)}
+    if fmt == "dflash":
+        sizes["num_target_layers"] = ((cfg.get("dflash_config") or {}).get("num_target_layers",
+                                                                          cfg.get("num_target_layers", L)), L)
+    bad = [f"{n}={have} (target {want})" for n, (have, want) in sizes.items() if have != want]
+    out.append(Finding(not bad, "sizes", "; ".join(bad) if bad else "vocab, hidden and layer counts match the target"))
+
+    # 3. RoPE: the draft layer must rotate like the target's
+    theta, scaling = rope_parameters(lc)
+    t_theta, t_scaling = rope_parameters(target.config)
+    same = math.isclose(theta, t_theta, rel_tol=1e-6) and (scaling or None) == (t_scaling or None)
+    out.append(Finding(same, "rope", f"rope_theta {theta:g}, scaling {scaling}" + (" = the target's" if same else
+                       f"; the target's: rope_theta {t_theta:g}, scaling {t_scaling}")))
+
+    # 4. weights: the draft vocabulary maps and the embedding the loaders use
+    out += _weight_findings(fmt, cfg, folder, target)
+
+    # 5. DFlash: the MASK token
+    if fmt == "dflash":
+        out.append(_mask_finding(cfg, target))
+
+    # 6. tokenizer and chat template, when recorded
+    if record is not None:
+        have, want = record.get("target") or {}, target_fingerprint(target)
+        for key, what in (("tokenizer_sha256", "tokenizer"), ("chat_template_sha256", "chat template")):
+            if have.get(key) and want.get(key):
+                same = have[key] == want[key]
+                out.append(Finding(same, what, f"the target's {what} is the one trained with" if same else
+                                   f"the target's {what} differs from the one the draft was trained with "
+                                   "(vatspec.json)"))
+    return fmt, out
+
+
+def _weight_findings(fmt: str, cfg: dict, folder: Path, target) -> list[Finding]:
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        return [Finding(False, "weights", f"no *.safetensors in {folder}")]
+    try:
+        tensors = {}
+        for file in files:
+            with safe_open(str(file), framework="pt") as f:
+                tensors |= {name: file for name in f.keys()}  # noqa: SIM118 (a safetensors handle)
+    except (OSError, SafetensorError) as e:
+        return [Finding(False, "weights", f"unreadable ({e})")]
+
+    def get(name: str) -> torch.Tensor:
+        with safe_open(str(tensors[name]), framework="pt") as f:
+            return f.get_tensor(name)
+
+    out = []
+    emb = next((n for n in tensors if n.endswith("embed_tokens.weight")), None)
+    if emb is not None:
+        same = embedding_matches(get(emb), target)
+        out.append(Finding(same, "embedding", f"{emb} is the target's input embedding" if same else
+                           f"{emb} is not the target's input embedding: the engines draft with it"))
+    elif fmt == "speculators":
+        out.append(Finding(False, "embedding", "embed_tokens.weight is missing: the speculators library leaves a "
+                           "missing embedding uninitialised (it copies the verifier's only over a NaN placeholder)"))
+    if fmt != "dflash":
+        if "d2t" in tensors and "t2d" in tensors:
+            try:
+                check_draft_vocab(get("d2t"), get("t2d"))
+                d2t = get("d2t")
+                size = cfg.get("draft_vocab_size")
+                ok = size is None or d2t.numel() == size
+                out.append(Finding(ok, "vocab maps", f"d2t / t2d consistent, {d2t.numel()} draft tokens" if ok else
+                                   f"d2t has {d2t.numel()} entries, draft_vocab_size is {size}"))
+            except ValueError as e:
+                out.append(Finding(False, "vocab maps", f"d2t / t2d: {e}"))
+        elif cfg.get("draft_vocab_size") not in (None, target.vocab_size):
+            out.append(Finding(False, "vocab maps", f"draft_vocab_size {cfg['draft_vocab_size']} without d2t / t2d"))
+    return out
+
+
+def _mask_finding(cfg: dict, target) -> Finding:
+    dc = cfg.get("dflash_config") or {}
+    mask_id, mask = dc.get("mask_token_id", cfg.get("mask_token_id")), dc.get("mask_token")
+    tok = target.tokenizer
+    if mask_id is None:
+        vocab = tok.get_vocab() if tok is not None and hasattr(tok, "get_vocab") else {}
+        mask_id = vocab.get(mask or "<|MASK|>")
+        if mask_id is None:
+            return Finding(False, "mask token", f"no mask_token_id and the tokenizer has no {mask or '<|MASK|>'!r}")
+    if not (isinstance(mask_id, int) and 0 <= mask_id < target.vocab_size):
+        return Finding(False, "mask token", f"mask_token_id {mask_id} outside the vocabulary [0, {target.vocab_size})")
+    if mask_id in target.eos_token_ids:
+        return Finding(False, "mask token", f"mask_token_id {mask_id} is an end-of-turn token of the target")
+    name = tok.convert_ids_to_tokens(mask_id) if tok is not None else None
+    if mask is not None and name is not None and name != mask:
+        return Finding(False, "mask token", f"mask_token {mask!r} but id {mask_id} is {name!r} in the target's "
+                       "tokenizer (SGLang looks the string up, vLLM and the reference use the id)")
+    return Finding(True, "mask token", f"id {mask_id}" + (f" ({name!r})" if name else ""))
+
+
+# ----------------------------------------------------------------------------- acceptance
+def measure(target, drafter, prompts: Sequence[list[int]], *, k: int | None = None, max_new_tokens: int = 64) -> dict:
+    """Greedy speculative decoding of ``prompts``, ``k`` drafts per round (default ``drafter.k``) -> tau
+    (tokens per verify pass, bonus included) and the per-position acceptance: ``cond_accept[j]`` =
+    P(draft j + 1 accepted | drafts 1..j accepted)."""
+    k = k or drafter.k
+    reach = [0] * k
+    hit = [0] * k
+    rounds = committed = 0
+    for ids in prompts:
+        res = generate(target, ids, drafter, k=k, max_new_tokens=max_new_tokens)
+        rounds += len(res.rounds)
+        committed += sum(res.tokens_per_step)
+        for r in res.rounds:
+            for j in range(min(r.accepted + 1, r.drafted)):  # positions this round's chain reached
+                reach[j] += 1
+                hit[j] += j < r.accepted
+    return {"prompts": len(prompts), "rounds": rounds, "tau": committed / rounds if rounds else float("nan"),
+            "cond_accept": [h / n if n else float("nan") for h, n in zip(hit, reach)], "k": k,
+            "max_new_tokens": max_new_tokens}
+
+
+def acceptance_finding(measured: dict, training: dict | None) -> Finding | None:
+    """Served acceptance against training's held-out simulation; None when there is nothing to compare."""
+    heldout = (training or {}).get("heldout") or {}
+    tau_sim = heldout.get("tau_sim")
+    if tau_sim is None or not math.isfinite(measured["tau"]):
+        return None
+    trained, served = tau_sim - 1.0, measured["tau"] - 1.0
+    if trained < MIN_TRAINED_ACCEPT:
+        return Finding(True, "acceptance", f"training accepted {trained:.3f} drafts per chain: too few to compare")
+    ratio = served / trained
+    ok = ratio >= COLLAPSE_RATIO
+    return Finding(ok, "acceptance", f"served tau {measured['tau']:.3f} vs training's held-out tau_sim {tau_sim:.3f} "
+                   f"(step {heldout.get('step')}): {ratio:.0%} of the accepted drafts"
+                   + ("" if ok else f", below {COLLAPSE_RATIO:.0%}: served differently from how it was trained"))
+
+
+def check_draft(folder: str | Path, target, prompts: Sequence[list[int]] | None = None, *,
+                max_new_tokens: int = 64) -> CheckReport:
+    """Check ``folder`` against ``target``; with ``prompts`` (token ids), also decode them and compare
+    the acceptance with training's. The draft is opened as the engines would open it."""
+    folder = Path(folder)
+    fmt, findings = convention_findings(folder, target)
+    record = read_record(folder)
+    report = CheckReport(str(folder), fmt, findings, training=(record or {}).get("training"))
+    if fmt is None:
+        return report
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            drafter = import_draft(folder, target)
+        findings.append(Finding(True, "load", f"loads as a {drafter.kind} draft, k={drafter.k}"))
+        findings += [Finding(True, "load", f"warning: {w.message}") for w in caught]
+        if (folder / "accept_head").is_dir():
+            load_accept_head(folder)
+    except ExportError as e:
+        findings.append(Finding(False, "load", str(e)))
+        return report
+    if prompts:  # at the k training simulated, when recorded (a served k is a launch setting)
+        k = (report.training or {}).get("k") or drafter.k
+        report.measured = measure(target, drafter, prompts, k=k, max_new_tokens=max_new_tokens)
+        found = acceptance_finding(report.measured, report.training)
+        if found is not None:
+            findings.append(found)
+    return report

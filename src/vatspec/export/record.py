@@ -1,0 +1,83 @@
+"""``vatspec.json``: what an export records of its training, for ``vatspec check``.
+
+The engines never read it (they load ``config.json`` and ``*.safetensors``). It holds:
+
+    {"format": "vatspec-record", "version": 1, "drafter_kind": "eagle3",
+     "target_layer_ids": [1, 14, 26],            ours: output of layer i, as trained
+     "target": {"vocab_size": ..., "num_layers": ..., "hidden_size": ...,
+                "tokenizer_sha256": ..., "chat_template_sha256": ...},
+     "training": {"checkpoint": ..., "step": 48, "k": 3,
+                  "heldout": {"step": 48, "tau_sim": 1.21, "cond_acc": [...], "chains": 1467}} | null}
+
+``training`` is null for a draft exported from something other than a training run (an imported
+draft), and ``heldout`` null for a run that never evaluated.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+RECORD = "vatspec.json"
+RECORD_FORMAT = "vatspec-record"
+
+
+def target_fingerprint(target) -> dict:
+    """Sizes and tokenizer identity of ``target``: the vocabulary (token -> id) and the chat template
+    hashed, so a draft served with another tokenizer is caught even when the sizes agree."""
+    tok = target.tokenizer
+    out = {"vocab_size": target.vocab_size, "num_layers": target.num_layers, "hidden_size": target.hidden_size,
+           "tokenizer_sha256": None, "chat_template_sha256": None}
+    if tok is not None and hasattr(tok, "get_vocab"):
+        vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
+        out["tokenizer_sha256"] = _sha(json.dumps(vocab, ensure_ascii=False))
+        template = getattr(tok, "chat_template", None)
+        out["chat_template_sha256"] = _sha(template) if isinstance(template, str) else None
+    return out
+
+
+def training_record(checkpoint: Path, k: int) -> dict:
+    """The checkpoint's step and the held-out metrics its run logged at or before it (``metrics.jsonl``
+    of ``RUN`` for ``RUN/checkpoints/step-N``)."""
+    checkpoint = Path(checkpoint)
+    step = _step_of(checkpoint)
+    metrics = checkpoint.parent.parent / "metrics.jsonl"
+    heldout = None
+    if metrics.is_file() and step is not None:
+        for line in metrics.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut by a killed run
+            if isinstance(rec, dict) and "eval/tau_sim" in rec and rec.get("step", step + 1) <= step:
+                heldout = {"step": rec["step"], "tau_sim": rec["eval/tau_sim"], "cond_acc": rec.get("eval/cond_acc"),
+                           "chains": rec.get("eval/chains")}
+    return {"checkpoint": str(checkpoint.resolve()), "step": step, "k": k, "heldout": heldout}
+
+
+def make_record(drafter, target, training: dict | None) -> dict:
+    return {"format": RECORD_FORMAT, "version": 1, "drafter_kind": drafter.kind,
+            "target_layer_ids": [int(i) for i in drafter.config.target_layer_ids],
+            "target": target_fingerprint(target), "training": training}
+
+
+def read_record(folder: Path) -> dict | None:
+    """The folder's record, or None when it has none or one this version does not read."""
+    file = Path(folder) / RECORD
+    if not file.is_file():
+        return None
+    try:
+        rec = json.loads(file.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return rec if isinstance(rec, dict) and rec.get("format") == RECORD_FORMAT else None
+
+
+def _step_of(checkpoint: Path) -> int | None:
+    name = checkpoint.name
+    return int(name.removeprefix("step-")) if name.startswith("step-") and name[5:].isdigit() else None
+
+
+def _sha(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()

@@ -50,3 +50,18 @@ def default_target_path():
     from vatspec.target import prepare_default_target
 
     return prepare_default_target()
+
+
+@pytest.fixture(scope="session")
+def smol_tokenizer_target(tmp_path_factory, default_target_path):
+    """A tiny random Llama (hidden 32, 8 layers: test_export's H and L) with the SmolLM2 tokenizer (so
+    DFlash names its MASK token and chat templates apply), as a folder."""
+    from transformers import AutoTokenizer
+
+    from vatspec.target import Target
+
+    tok = AutoTokenizer.from_pretrained(default_target_path)
+    path = tmp_path_factory.mktemp("tiny_smol")
+    tiny_llama(vocab_size=len(tok), hidden_size=32, layers=8).save_pretrained(path)
+    tok.save_pretrained(path)
+    return Target.from_pretrained(path)

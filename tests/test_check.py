@@ -9,7 +9,7 @@ import re
 import pytest
 from safetensors.torch import load_file, save_file
 
-from tests.test_export import make_drafter, smol_tokenizer_target, tamper  # noqa: F401 (a fixture)
+from tests.test_export import make_drafter, tamper
 from vatspec.check import (
     COLLAPSE_RATIO,
     acceptance_finding,
@@ -28,7 +28,7 @@ TRAINING = {"checkpoint": "RUN/checkpoints/step-000010", "step": 10, "k": 3,
 
 
 @pytest.fixture(scope="module")
-def exports(smol_tokenizer_target, tmp_path_factory):  # noqa: F811 (the imported fixture)
+def exports(smol_tokenizer_target, tmp_path_factory):
     t = smol_tokenizer_target
     root = tmp_path_factory.mktemp("served")
     e3, df = make_drafter("eagle3", t), make_drafter("dflash", t)

@@ -186,18 +186,6 @@ def test_round_trip_gives_identical_logits_proposals_and_tokens(target, tmp_path
 
 
 # ----------------------------------------------------------------------------- the documented formats, exactly
-@pytest.fixture(scope="module")
-def smol_tokenizer_target(tmp_path_factory, default_target_path) -> Target:
-    """A tiny random Llama with the SmolLM2 tokenizer (so DFlash names its MASK token), as a folder."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(default_target_path)
-    path = tmp_path_factory.mktemp("tiny_smol")
-    tiny_llama(vocab_size=len(tok), hidden_size=H, layers=L).save_pretrained(path)
-    tok.save_pretrained(path)
-    return Target.from_pretrained(path)
-
-
 def test_exported_key_sets_and_fields_are_the_formats(smol_tokenizer_target, tmp_path):
     t = smol_tokenizer_target
     Vt, I, nh, nkv, hd = t.vocab_size, 2 * H, 4, 2, H // 4

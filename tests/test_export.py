@@ -418,9 +418,45 @@ def test_writes_atomically_and_refuses_to_overwrite(target, tmp_path, monkeypatc
     bare = Target(target.model, tokenizer=None)  # no tokenizer: no unused id known -> a learned MASK row
     learned = DFlashDrafter(DFlashConfig.from_target(bare, block_size=BLOCK))
     learned.attach_target(bare)
-    with pytest.raises(ExportError, match="learned its own MASK"):
+    with pytest.raises(ExportError, match="learned its own MASK row .* pass --mask-token-id"):
         export_draft(learned, target, tmp_path / "z")
+    with pytest.raises(ExportError, match="only a learned MASK row can be served under another id"):
+        export_draft(make_drafter("dflash", target), target, tmp_path / "z", mask_token_id=7)
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists() and not (tmp_path / "z").exists()
+
+
+def test_a_learned_mask_row_is_served_as_the_engines_read_it(target, tmp_path):
+    """mask_embedding.pt: {"mask_token_id": id, "embedding": [H]} beside the weights (vLLM and SGLang read
+    this form with torch.load(weights_only=True); vLLM ignores a row inside model.safetensors)."""
+    bare = Target(target.model, tokenizer=None)
+    d = DFlashDrafter(DFlashConfig.from_target(bare, num_layers=2, block_size=BLOCK))  # learned row, id V
+    d.attach_target(bare)
+    randomize(d, 0)
+    assert d.config.mask_source == "learned" and d.mask_token_id == V
+    out = export_draft(d, target, tmp_path / "df", mask_token_id=11)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["dflash_config"]["mask_token_id"] == 11
+    row = torch.load(out / "mask_embedding.pt", weights_only=True)
+    assert row["mask_token_id"] == 11 and torch.equal(row["embedding"], d.mask_embedding.detach())
+    assert "mask_embedding" not in load_file(out / "model.safetensors")
+    back = import_draft(out, target)
+    assert back.config.mask_source == "learned" and back.mask_token_id == 11
+    # the served draft drafts what the trained one did: its MASK slots get the learned row either way
+    feats = target(make_batch()["input_ids"][:1], None, d.target_layer_ids).features
+    ids = make_batch()["input_ids"][0, 1:]
+    a, b = d.new_session(), back.new_session()
+    a.extend(feats[0, :-1], ids)
+    b.extend(feats[0, :-1], ids)
+    assert torch.equal(a.draft_block()[0], b.draft_block()[0])
+    # re-exported from the import, the id stays; a row of the wrong size or id is refused
+    assert json.loads((export_draft(back, target, tmp_path / "again") / "config.json").read_text())[
+        "dflash_config"]["mask_token_id"] == 11
+    torch.save({"mask_token_id": 12, "embedding": row["embedding"]}, out / "mask_embedding.pt")
+    with pytest.raises(ExportError, match="mask_token_id 12 must be dflash_config.mask_token_id 11"):
+        validate_export(out)
+    torch.save({"mask_token_id": 11, "embedding": row["embedding"][:-1]}, out / "mask_embedding.pt")
+    with pytest.raises(ExportError, match="a row of 31, expected hidden_size=32"):
+        validate_export(out)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -24,7 +24,7 @@ from safetensors import SafetensorError, safe_open
 from vatspec.decode import generate
 from vatspec.drafters.layers import rope_parameters
 from vatspec.drafters.vocab import check_draft_vocab
-from vatspec.export.formats import CONFIG, ExportError, detect_format, read_json
+from vatspec.export.formats import CONFIG, MASK_FILE, ExportError, detect_format, read_json
 from vatspec.export.read import embedding_matches, import_draft, load_accept_head
 from vatspec.export.record import read_record, target_fingerprint
 
@@ -144,7 +144,7 @@ def convention_findings(folder: Path, target) -> tuple[str | None, list[Finding]
 
     # 5. DFlash: the MASK token
     if fmt == "dflash":
-        out.append(_mask_finding(cfg, target))
+        out.append(_mask_finding(cfg, folder, target))
 
     # 6. tokenizer and chat template, when recorded
     if record is not None:
@@ -199,7 +199,7 @@ def _weight_findings(fmt: str, cfg: dict, folder: Path, target) -> list[Finding]
     return out
 
 
-def _mask_finding(cfg: dict, target) -> Finding:
+def _mask_finding(cfg: dict, folder: Path, target) -> Finding:
     dc = cfg.get("dflash_config") or {}
     mask_id, mask = dc.get("mask_token_id", cfg.get("mask_token_id")), dc.get("mask_token")
     tok = target.tokenizer
@@ -216,7 +216,10 @@ def _mask_finding(cfg: dict, target) -> Finding:
     if mask is not None and name is not None and name != mask:
         return Finding(False, "mask token", f"mask_token {mask!r} but id {mask_id} is {name!r} in the target's "
                        "tokenizer (SGLang looks the string up, vLLM and the reference use the id)")
-    return Finding(True, "mask token", f"id {mask_id}" + (f" ({name!r})" if name else ""))
+    learned = (folder / MASK_FILE).is_file()
+    return Finding(True, "mask token", f"id {mask_id}" + (f" ({name!r})" if name else "") + (
+        f"; a learned row in {MASK_FILE} (vLLM puts it in the draft's lookup of the id, SGLang in the target's "
+        "embedding row; z-lab's reference ignores it)" if learned else ", embedded with the target's row"))
 
 
 # ----------------------------------------------------------------------------- acceptance

@@ -29,6 +29,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--k", "--speculative-tokens", dest="k", type=int,
                         help="speculators: tokens drafted per round, written as speculative_tokens (default: the "
                              "draft's k, its TTT steps)")
+    parser.add_argument("--mask-token-id", type=int, help="DFlash with a learned MASK row: the target id it is served "
+                        "for (mask_embedding.pt); an id the target never emits")
     parser.add_argument("--verifier", help="speculators: the target's name for `vllm serve DIR` (default: its path)")
 
 
@@ -43,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
         training = training_record(resolve_checkpoint(src), drafter.k) if from_run else None
         out = export_draft(drafter, target, args.out, fmt=fmt, head=head, exit_threshold=args.exit_threshold,
                            dtype=args.dtype, force=args.force, k=args.k,
-                           verifier=args.verifier, training=training)
+                           verifier=args.verifier, training=training, mask_token_id=args.mask_token_id)
     except (CheckpointError, TargetError, ValueError) as e:
         return report("export", e)
     ids = list(drafter.target_layer_ids)

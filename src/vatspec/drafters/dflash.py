@@ -134,7 +134,7 @@ class DFlashConfig(SavedConfig):
     num_key_value_heads: int
     head_dim: int
     intermediate_size: int
-    mask_token_id: int  # == vocab_size when mask_source == "learned"
+    mask_token_id: int  # learned: vocab_size (an extra row) in training, a target id once served
     mask_source: str  # one of MASK_SOURCES
     mask_token: str | None = None
     num_layers: int = 1
@@ -154,8 +154,11 @@ class DFlashConfig(SavedConfig):
             raise ValueError(f"DFlashConfig.num_layers must be >= 1, got {self.num_layers}")
         if self.mask_source not in MASK_SOURCES:
             raise ValueError(f"DFlashConfig.mask_source {self.mask_source!r} not in {MASK_SOURCES}")
-        if self.mask_source == "learned" and self.mask_token_id != self.vocab_size:
-            raise ValueError("DFlashConfig.mask_token_id must equal vocab_size for a learned mask row")
+        # a learned row stands for an extra id past the vocabulary (training) or, once served, for a
+        # target id whose input embedding the draft replaces with it (the engines' mask_embedding.pt)
+        if self.mask_source == "learned" and not 0 <= self.mask_token_id <= self.vocab_size:
+            raise ValueError(f"DFlashConfig.mask_token_id {self.mask_token_id} outside [0, {self.vocab_size}] for a "
+                             "learned mask row")
         if self.mask_source != "learned" and not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(f"DFlashConfig.mask_token_id {self.mask_token_id} outside [0, {self.vocab_size})")
         if self.num_attention_heads % self.num_key_value_heads:

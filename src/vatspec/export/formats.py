@@ -11,6 +11,7 @@ from vatspec.checkpoint import CheckpointError
 FORMATS: dict[str, str] = {"eagle3-hf": "eagle3", "speculators": "eagle3", "dflash": "dflash"}  # -> drafter kind
 DEFAULT_FORMAT = {"eagle3": "eagle3-hf", "dflash": "dflash"}
 CONFIG, WEIGHTS, HEAD_DIR = "config.json", "model.safetensors", "accept_head"
+MASK_FILE = "mask_embedding.pt"  # DFlash: a learned MASK row, {"mask_token_id": int, "embedding": [H]}
 HEAD_FORMAT = "vatspec-accept-head"
 HEAD_INPUT = "draft_hidden_post_norm"  # the drafter's last hidden state after its final norm (lm_head's input)
 EAGLE3_ARCHS = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")

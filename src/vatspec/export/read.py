@@ -23,6 +23,7 @@ from vatspec.export.formats import (
     HEAD_DIR,
     HEAD_FORMAT,
     HEAD_INPUT,
+    MASK_FILE,
     WEIGHTS,
     ExportError,
     detect_format,
@@ -49,7 +50,10 @@ def import_draft(path: str | Path, target, *, k: int | None = None,
         warnings.warn(f"{path}: embed_tokens.weight differs from the target's embedding; the drafter uses the "
                       "target's (as SGLang and vLLM do when the shapes agree)", stacklevel=2)
     if fmt == "dflash":
-        drafter = DFlashDrafter(_dflash_config(cfg, target, src))
+        mask_row = read_mask_embedding(path)
+        if mask_row is not None:
+            weights["mask_embedding"] = mask_row[1]
+        drafter = DFlashDrafter(_dflash_config(cfg, target, src, mask_row[0] if mask_row else None))
     else:
         drafter = Eagle3Drafter(_eagle3_config(fmt, cfg, target, src, k))
         c = drafter.config
@@ -145,7 +149,26 @@ def _eagle3_config(fmt: str, cfg: dict, target, src: str, k: int | None) -> Eagl
         raise ExportError(f"{src}: {e}") from e
 
 
-def _dflash_config(cfg: dict, target, src: str) -> DFlashConfig:
+def read_mask_embedding(path: Path) -> tuple[int | None, Tensor] | None:
+    """A DFlash folder's learned MASK row, as the engines read ``mask_embedding.pt`` (no code runs:
+    ``weights_only``) -> ``(its mask_token_id | None, row [H])``, or None without the file."""
+    file = Path(path) / MASK_FILE
+    if not file.is_file():
+        return None
+    try:
+        obj = torch.load(file, map_location="cpu", weights_only=True)
+    except (OSError, RuntimeError, pickle.UnpicklingError) as e:
+        raise ExportError(f"{file}: unreadable ({e})") from e
+    mask_id, row = (obj.get("mask_token_id"), obj.get("embedding")) if isinstance(obj, dict) else (None, obj)
+    if not isinstance(row, Tensor) or not row.is_floating_point() or row.dim() not in (1, 2) \
+            or (row.dim() == 2 and row.shape[0] != 1):
+        raise ExportError(f"{file}: expected a float tensor [H] (or a dict with one under 'embedding')")
+    if mask_id is not None and not isinstance(mask_id, int):
+        raise ExportError(f"{file}: mask_token_id {mask_id!r} is not an integer")
+    return mask_id, row.reshape(-1).float()
+
+
+def _dflash_config(cfg: dict, target, src: str, learned_id: int | None = None) -> DFlashConfig:
     dc = cfg.get("dflash_config") or {}
     for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers"):
         if name not in cfg:
@@ -175,6 +198,9 @@ def _dflash_config(cfg: dict, target, src: str) -> DFlashConfig:
         if mask_id is None:
             raise ExportError(f"{src}: dflash_config.mask_token_id is missing and the target's tokenizer "
                               f"has no {mask!r}")
+    learned = (Path(src).parent / MASK_FILE).is_file()
+    if learned and learned_id is not None and learned_id != mask_id:
+        raise ExportError(f"{src}: {MASK_FILE} is for mask_token_id {learned_id}, dflash_config says {mask_id}")
     nh = cfg["num_attention_heads"]
     theta, scaling = rope_parameters(cfg)
     try:
@@ -183,7 +209,8 @@ def _dflash_config(cfg: dict, target, src: str) -> DFlashConfig:
             target_hidden_size=cfg.get("target_hidden_size") or H,
             vocab_size=target.vocab_size, hidden_size=H, num_attention_heads=nh,
             num_key_value_heads=cfg.get("num_key_value_heads") or nh, head_dim=cfg.get("head_dim") or H // nh,
-            intermediate_size=cfg["intermediate_size"], mask_token_id=int(mask_id), mask_source="override",
+            intermediate_size=cfg["intermediate_size"], mask_token_id=int(mask_id),
+            mask_source="learned" if learned else "override",
             mask_token=mask, num_layers=L, block_size=int(dc.get("block_size", cfg.get("block_size", 16))),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),

@@ -15,6 +15,7 @@ from vatspec.export.formats import (
     CONFIG_KEYS,
     HEAD_DIR,
     LLAMA_LAYER_KEYS,
+    MASK_FILE,
     WEIGHTS,
     ExportError,
     detect_format,
@@ -22,7 +23,7 @@ from vatspec.export.formats import (
     read_json,
     to_vllm_ids,
 )
-from vatspec.export.read import embedding_matches, load_accept_head
+from vatspec.export.read import embedding_matches, load_accept_head, read_mask_embedding
 from vatspec.export.record import RECORD
 from vatspec.target import DTYPES
 
@@ -38,9 +39,23 @@ def validate_export(path: str | Path, target=None) -> str:
     bad: list[str] = []
     _check_config(fmt, cfg, bad)
     extra_files = sorted(p.name for p in path.iterdir()) if path.is_dir() else []
-    extra_files = [n for n in extra_files if n not in (CONFIG, WEIGHTS, HEAD_DIR, RECORD)]
+    known = (CONFIG, WEIGHTS, HEAD_DIR, RECORD) + ((MASK_FILE,) if fmt == "dflash" else ())
+    extra_files = [n for n in extra_files if n not in known]
     if extra_files:
-        bad.append(f"unexpected files {extra_files} (an export holds {CONFIG}, {WEIGHTS}, {RECORD}, {HEAD_DIR}/)")
+        bad.append(f"unexpected files {extra_files} (an export holds {', '.join(known)})")
+    if fmt == "dflash" and not bad:
+        try:
+            mask = read_mask_embedding(path)
+        except ExportError as e:
+            bad.append(str(e))
+            mask = None
+        if mask is not None:
+            hid = cfg["hidden_size"]
+            mid = cfg["dflash_config"]["mask_token_id"]
+            if mask[1].numel() != hid:
+                bad.append(f"{MASK_FILE}: a row of {mask[1].numel()}, expected hidden_size={hid}")
+            if mask[0] != mid:  # SGLang reads only the dict form, with the id
+                bad.append(f"{MASK_FILE}: mask_token_id {mask[0]} must be dflash_config.mask_token_id {mid}")
     if not bad:
         _check_weights(fmt, cfg, path / WEIGHTS, bad)
     if not bad and target is not None:

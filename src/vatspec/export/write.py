@@ -21,6 +21,7 @@ from vatspec.export.formats import (
     HEAD_DIR,
     HEAD_FORMAT,
     HEAD_INPUT,
+    MASK_FILE,
     WEIGHTS,
     ExportError,
     served_name,
@@ -49,18 +50,22 @@ def _layer_fields(c: Eagle3Config | DFlashConfig, num_layers: int) -> dict:
 
 
 def build_config(fmt: str, drafter, target, dtype: str, *, k: int | None = None,
-                 verifier: str | None = None) -> dict:
+                 verifier: str | None = None, mask_token_id: int | None = None) -> dict:
     """The config.json of ``drafter`` in format ``fmt`` (see the module docstring for the ids).
 
     speculators only: ``k`` tokens drafted per round, written as ``speculative_tokens`` (default:
     ``drafter.k``, the TTT steps) and ``verifier``, the target name vLLM loads when serving the draft
-    folder alone (default: the target's path)."""
+    folder alone (default: the target's path). dflash only: ``mask_token_id`` serves a learned MASK row
+    (``served_mask_id``)."""
     c = drafter.config
     ids = sorted(int(i) for i in c.target_layer_ids)  # the engines capture layers in this order
     if fmt == "dflash":
-        mask = {"mask_token_id": c.mask_token_id, "target_layer_ids": ids}
-        if c.mask_token is not None:  # SGLang reads the string too (default "<|MASK|>")
-            mask["mask_token"] = c.mask_token
+        mask_id = served_mask_id(drafter, mask_token_id)
+        mask = {"mask_token_id": mask_id, "target_layer_ids": ids}
+        tok = getattr(target, "tokenizer", None)
+        name = c.mask_token if mask_id == c.mask_token_id else (tok.convert_ids_to_tokens(mask_id) if tok else None)
+        if name is not None:  # SGLang checks that the tokenizer maps this string to the id (default "<|MASK|>")
+            mask["mask_token"] = name
         fields = _layer_fields(c, c.num_layers)
         del fields["mlp_bias"]
         return {"architectures": ["DFlashDraftModel"], **fields, "torch_dtype": dtype, "is_causal": False,
@@ -98,6 +103,7 @@ def export_draft(
     k: int | None = None,
     verifier: str | None = None,
     training: dict | None = None,
+    mask_token_id: int | None = None,
 ) -> Path:
     """Write ``drafter`` (and ``head`` beside it) as a served draft folder; return the folder.
 
@@ -106,12 +112,16 @@ def export_draft(
     renamed to ``out``; an existing non-empty ``out`` is replaced only with ``force``. Beside the
     weights, ``vatspec.json`` records the layer ids trained on, the target's tokenizer identity and
     ``training`` (``record.training_record``: the checkpoint and its held-out metrics) for ``vatspec check``.
+    A DFlash draft that learned its MASK row is served with ``mask_embedding.pt`` for the target id
+    ``mask_token_id`` (``served_mask_id``).
     """
     fmt = fmt or DEFAULT_FORMAT[drafter.kind]
     if fmt not in FORMATS:
         raise ExportError(f"unknown format {fmt!r} (known: {', '.join(FORMATS)})")
     if FORMATS[fmt] != drafter.kind:
         raise ExportError(f"format {fmt!r} serves {FORMATS[fmt]} drafts, not a {drafter.kind} drafter")
+    if mask_token_id is not None and drafter.kind != "dflash":
+        raise ExportError("--mask-token-id is for DFlash drafts")
     if exit_threshold is not None and head is None:
         raise ExportError("--exit-threshold needs an accept head (the checkpoint has no head.safetensors)")
     _check_exportable(drafter)
@@ -119,16 +129,23 @@ def export_draft(
         dtype = dtype_name(dtype or drafter.fc.weight.dtype)
     except ValueError as e:
         raise ExportError(str(e)) from None
-    cfg = build_config(fmt, drafter, target, dtype, k=k, verifier=verifier)
+    cfg = build_config(fmt, drafter, target, dtype, k=k, verifier=verifier, mask_token_id=mask_token_id)
+    state_mask = None  # the form both engines read: a dict, the row [H]
+    if drafter.kind == "dflash" and drafter.config.mask_source == "learned":
+        state_mask = {"mask_token_id": cfg["dflash_config"]["mask_token_id"],
+                      "embedding": drafter.mask_embedding.detach().to(DTYPES[dtype]).cpu().contiguous()}
     state = {
         served_name(fmt, name): (v.to(DTYPES[dtype]) if v.is_floating_point() else v).detach().cpu().contiguous()
         for name, v in served_state(fmt, drafter, target).items()
+        if name != "mask_embedding"  # served beside the weights: the engines read it from its own file
     }
 
     def write(folder: Path) -> None:
         (folder / CONFIG).write_text(json.dumps(cfg, indent=2) + "\n")
         save_file(state, folder / WEIGHTS, metadata={"format": "pt"})
         (folder / RECORD).write_text(json.dumps(make_record(drafter, target, training), indent=2) + "\n")
+        if state_mask is not None:
+            torch.save(state_mask, folder / MASK_FILE)
         if head is not None:
             _write_head(folder / HEAD_DIR, head, drafter, exit_threshold)
         validate_export(folder, target)
@@ -167,10 +184,27 @@ def _check_exportable(drafter) -> None:
                               f"this draft uses {list(c.target_layer_ids)}")
         if c.hidden_act != "silu":
             raise ExportError(f"the engines' EAGLE-3 MLP is SiLU only; this draft uses hidden_act={c.hidden_act!r}")
-    elif c.mask_source == "learned":
-        raise ExportError("this DFlash draft learned its own MASK embedding row (drafter.mask_token_id unset and no "
-                          "unused target id); served DFlash reads the MASK embedding from the target, so retrain with "
-                          "drafter.mask_token_id=<an unused target id>")
+
+
+def served_mask_id(drafter, mask_token_id: int | None) -> int:
+    """The MASK id a DFlash export writes. A draft that learned its own MASK row trained it as an id past
+    the vocabulary (``vocab_size``); both engines take a learned row from ``mask_embedding.pt`` only
+    for an id inside it, so serving needs ``mask_token_id``: a target id that never occurs in the text
+    drafted (vLLM swaps the row into the draft's own lookup of that id; SGLang writes it into the
+    target's embedding row of that id)."""
+    c = drafter.config
+    if mask_token_id is None:
+        if c.mask_source == "learned" and c.mask_token_id >= c.vocab_size:
+            raise ExportError("this DFlash draft learned its own MASK row as an id past the vocabulary; the engines "
+                              "serve a learned row (mask_embedding.pt) for a target id: pass --mask-token-id ID, an "
+                              "id the target never emits")
+        return int(c.mask_token_id)
+    if c.mask_source != "learned" and mask_token_id != c.mask_token_id:
+        raise ExportError(f"--mask-token-id {mask_token_id}: this draft was trained with MASK id {c.mask_token_id} "
+                          "(the target's embedding row); only a learned MASK row can be served under another id")
+    if not 0 <= mask_token_id < c.vocab_size:
+        raise ExportError(f"--mask-token-id {mask_token_id} outside the target vocabulary [0, {c.vocab_size})")
+    return int(mask_token_id)
 
 
 def _write_head(folder: Path, head: AcceptHead, drafter, threshold: float | None) -> None:

@@ -162,3 +162,21 @@ def test_dflash_export_config_is_what_the_reference_reads(target, tmp_path):
     from dflash.model import DFlashDraftModel
 
     assert DFlashDraftModel.config_class.model_type == cfg["model_type"] == "qwen3"
+
+
+def test_check_catches_the_speculators_converters_missing_embedding(target, tmp_path):
+    """speculators' own converter (``speculators convert``, eagle3-hf -> speculators) writes no
+    embed_tokens.weight, so its folder loads with an uninitialised embedding under transformers 5;
+    `vatspec check` names it, and this project's speculators export does not have the problem."""
+    from speculators.convert.eagle.eagle3_converter import Eagle3Converter
+
+    from vatspec.check import convention_findings
+
+    d = make_drafter("eagle3", target)
+    hf = export_draft(d, target, tmp_path / "hf")
+    Eagle3Converter().convert(hf, tmp_path / "converted", base_model=target.path, validate=False)
+    fmt, found = convention_findings(tmp_path / "converted", target)
+    bad = {f.what: f.detail for f in found if not f.ok}
+    assert fmt == "speculators" and list(bad) == ["embedding"] and "embed_tokens.weight is missing" in bad["embedding"]
+    ours = export_draft(d, target, tmp_path / "ours", fmt="speculators")
+    assert all(f.ok for f in convention_findings(ours, target)[1])

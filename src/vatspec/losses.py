@@ -33,6 +33,10 @@ SCHEDULES = ("eagle3", "dflash")
 KINDS = ("eagle3", "dflash", "vat")
 WEIGHTS = ("fixed", "adaptive")
 
+# Positions per chunk of the chunked lm_head + CE path (loss.chunk_size; 0 = all at once). Chosen by
+# scripts/bench_vocab_memory.py (docs/design.md, "Memory at large vocabularies").
+DEFAULT_CHUNK_SIZE = 0
+
 # The DFlash reference's gammas per block size. Other block sizes use
 # round(block / 2.3), which reproduces 16 -> 7 and stays close to the rest (10 -> 4, 8 -> 3).
 DFLASH_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
@@ -78,6 +82,10 @@ class LossConfig:
                  (``dflash_gamma``: 7 for block 16, 5 for 10, 4 for 8).
     curve:       "eagle3" | "dflash" shape of the fixed curve and of VAT's restarted curve; None =
                  the kind's own, and for "vat" the drafter's schedule.
+    chunk_size:  0 = the logits [N, Vd] and target logits [N, V] of all N = chains x k positions at
+                 once; C > 0 = the lm_head, CE and verification statistics C positions at a time
+                 (``vatspec.chunked``): same values and gradients, peak memory of C rows instead of
+                 N.
     """
 
     kind: str = "vat"
@@ -91,6 +99,7 @@ class LossConfig:
     decay: float = 0.8
     gamma: float | None = None
     curve: str | None = None
+    chunk_size: int = DEFAULT_CHUNK_SIZE
 
     def __post_init__(self) -> None:
         def bad(field: str, want: str) -> ValueError:
@@ -115,6 +124,8 @@ class LossConfig:
             raise bad("gamma", "> 0 or None")
         if self.curve is not None and self.curve not in SCHEDULES:
             raise bad("curve", f"one of {SCHEDULES} or None")
+        if not (isinstance(self.chunk_size, int) and not isinstance(self.chunk_size, bool) and self.chunk_size >= 0):
+            raise bad("chunk_size", "an int >= 0 (0 = unchunked)")
 
     @property
     def resolved(self) -> bool:
@@ -303,14 +314,21 @@ def hard_targets(v: Verification, d2t: Tensor | None, t2d: Tensor | None, vocab_
     Returns (labels [..., k] long, 0 where out of vocab; in_vocab [..., k] bool). Example: d2t maps
     draft 0 1 2 -> target 0 2 5; target argmax 2 3 5 -> labels 1 0 2, in_vocab 1 0 1.
     """
+    return hard_labels(v.target_argmax, d2t, t2d, vocab_size)
+
+
+def hard_labels(
+    target_argmax: Tensor, d2t: Tensor | None, t2d: Tensor | None, vocab_size: int
+) -> tuple[Tensor, Tensor]:
+    """``hard_targets`` from the target argmax ``[..., k]`` (target ids) itself."""
     with torch.no_grad():
         index = target_to_draft(d2t, vocab_size)  # [V] or None (identity)
         if index is None:
-            labels = v.target_argmax
+            labels = target_argmax
             in_vocab = torch.ones_like(labels, dtype=torch.bool)
         else:
-            labels = index[v.target_argmax]  # [..., k], -1 outside
-            in_vocab = labels >= 0 if t2d is None else t2d[v.target_argmax]
+            labels = index[target_argmax]  # [..., k], -1 outside
+            in_vocab = labels >= 0 if t2d is None else t2d[target_argmax]
             labels = labels.clamp(min=0)
         return labels, in_vocab
 
@@ -323,6 +341,7 @@ def vat_objective(
     *,
     d2t: Tensor | None = None,
     t2d: Tensor | None = None,
+    ce: tuple[Tensor | None, Tensor | None] | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The draft loss for one batch of chains.
 
@@ -332,6 +351,9 @@ def vat_objective(
     cfg:         a resolved LossConfig (``cfg.resolved``): resolved once for the drafter when the run
                  config loads (``config.resolve_loss``), or by hand with ``LossConfig.resolve``.
     d2t, t2d:    [Vd] long offsets and [V] bool draft-vocab mask; None = identity vocab.
+    ce:          (soft [..., k], hard [..., k]) per-position CE already computed (with grad) by the
+                 chunked path (``chunked.chunked_pass``; ``out.logits`` is None there); None = computed
+                 here from ``out.logits`` and ``out.target_logits``.
 
     Returns (loss: scalar with grad, parts: detached scalars). parts has "loss", one entry per
     active term ("soft", "hard": the weighted reduced CE as added; "head": the mean BCE before beta)
@@ -358,11 +380,14 @@ def vat_objective(
 
     # 2. token terms: one fused soft + hard CE over a single fp32 log-softmax of the draft logits
     parts: dict[str, Tensor] = {}
-    loss = out.logits.new_zeros((), dtype=torch.float32)
+    loss = out.hidden.new_zeros((), dtype=torch.float32)
     if cfg.soft or cfg.hard:
-        p_tilde = soft_targets(out.target_logits, d2t) if cfg.soft else None  # [..., k, Vd]
-        soft_ce, hard_ce = token_ce(out.logits, p_tilde, labels if cfg.hard else None)  # [..., k] each
-        del p_tilde
+        if ce is not None:
+            soft_ce, hard_ce = ce
+        else:
+            p_tilde = soft_targets(out.target_logits, d2t) if cfg.soft else None  # [..., k, Vd]
+            soft_ce, hard_ce = token_ce(out.logits, p_tilde, labels if cfg.hard else None)  # [..., k] each
+            del p_tilde
         if cfg.soft:
             parts["soft"] = _reduce(w * soft_ce, sup)
             loss = loss + parts["soft"]

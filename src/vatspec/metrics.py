@@ -36,14 +36,18 @@ def _batch_counts(
     head_logits: Tensor | None,
     d2t: Tensor | None,
     head_threshold: float,
+    draft_argmax: Tensor | None = None,
 ) -> tuple[dict[str, Tensor], Tensor]:
     """Summable counts for one batch (per-step ones [k], the rest scalars; float64, detached), and
-    the greedy accepted length of every chain with a valid position ([chains] long)."""
+    the greedy accepted length of every chain with a valid position ([chains] long).
+    ``draft_argmax`` [..., k] draft ids: the argmax of ``out.logits``, given when those are None."""
     valid = out.valid  # [..., k]
     k = valid.shape[-1]
     j = torch.arange(k, device=valid.device)
     with torch.no_grad():
-        draft = draft_to_target(out.logits.argmax(-1), d2t)  # [..., k] target ids
+        if draft_argmax is None:
+            draft_argmax = out.logits.argmax(-1)
+        draft = draft_to_target(draft_argmax, d2t)  # [..., k] target ids
         match = (draft == v.target_argmax) & valid
         # all earlier steps matched: the chains that reach step j under greedy verification
         reach = torch.cat([torch.ones_like(match[..., :1]), match[..., :-1]], -1).long().cumprod(-1).bool()
@@ -199,14 +203,16 @@ def chain_metrics(
     *,
     d2t: Tensor | None = None,
     head_threshold: float = 0.5,
+    draft_argmax: Tensor | None = None,
 ) -> ChainMetrics:
     """Metrics of one batch of chains; see ``MetricAccumulator.compute`` for the keys. The result is
     a dict that also carries its counts, so ``MetricAccumulator.add(result)`` aggregates exactly.
 
     out: DraftOutput ([..., k, Vd] logits, [..., k] valid); v: its Verification; head_logits: [..., k];
-    d2t: [Vd] long draft -> target offsets (None = identity).
+    d2t: [Vd] long draft -> target offsets (None = identity); draft_argmax: [..., k] draft ids, needed
+    when ``out.logits`` is None (the chunked path computes it chunk by chunk).
     """
-    counts, accepted = _batch_counts(out, v, head_logits, d2t, head_threshold)
+    counts, accepted = _batch_counts(out, v, head_logits, d2t, head_threshold, draft_argmax)
     acc = MetricAccumulator(head_threshold)
     acc.counts = counts
     values = acc.compute()

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from vatspec import checkpoint as ckpt_io
+from vatspec.chunked import chunked_pass
 from vatspec.config import Config, OptimConfig, dump_config
 from vatspec.drafters import DrafterPlan, build_drafter, plan_batch
 from vatspec.drafters.base import AcceptHead
@@ -120,19 +121,24 @@ def shared_target_pass(target, batch, drafters, plans) -> list[TargetOutput]:
 def arm_step(model, drafter, batch, tout, plan, loss_cfg, generator) -> StepResult:
     """The drafter's chains -> verification -> objective, for one arm on one micro-batch."""
     out, head_logits = model(batch, tout, plan)
-    ver = simulate_verification(
-        out.logits, out.target_logits, out.valid,
-        mode=loss_cfg.verify, temperature=loss_cfg.temperature, d2t=drafter.d2t, generator=generator,
-    )
-    loss, parts = vat_objective(out, ver, head_logits, loss_cfg, d2t=drafter.d2t, t2d=drafter.t2d)
-    metrics = chain_metrics(out, ver, head_logits, d2t=drafter.d2t)
+    ce = draft_argmax = None
+    if out.logits is None:  # loss.chunk_size > 0: the vocabulary-wide work chunk by chunk
+        ver, ce, draft_argmax = chunked_pass(out, loss_cfg, d2t=drafter.d2t, t2d=drafter.t2d, generator=generator)
+    else:
+        ver = simulate_verification(
+            out.logits, out.target_logits, out.valid,
+            mode=loss_cfg.verify, temperature=loss_cfg.temperature, d2t=drafter.d2t, generator=generator,
+        )
+    loss, parts = vat_objective(out, ver, head_logits, loss_cfg, d2t=drafter.d2t, t2d=drafter.t2d, ce=ce)
+    metrics = chain_metrics(out, ver, head_logits, d2t=drafter.d2t, draft_argmax=draft_argmax)
     return StepResult(loss, parts, metrics)
 
 
 def arms_micro_step(arms, target, batch, generators) -> Iterator[StepResult]:
     """One micro-batch for every arm: plans, one shared target pass, then each arm's step.
     A generator, so the caller's backward frees one arm's graph before the next arm runs."""
-    plans = [plan_batch(a.drafter, batch, a.cfg.drafter, g) for a, g in zip(arms, generators)]
+    plans = [plan_batch(a.drafter, batch, a.cfg.drafter, g, with_logits=not a.loss_cfg.chunk_size)
+             for a, g in zip(arms, generators)]
     touts = shared_target_pass(target, batch, [a.drafter for a in arms], plans)
     for a, t, p, g in zip(arms, touts, plans, generators):
         yield arm_step(a.model, a.drafter, batch, t, p, a.loss_cfg, g)

@@ -171,39 +171,79 @@ def simulate_verification(
             f"simulate_verification: the generator is on {generator.device} but the logits are on "
             f"{draft_logits.device}; make it there (torch.Generator(device=...), train.step_generator(..., device=...))"
         )
-    lead = valid.shape  # [..., k]
+    stat, target_argmax, draft_token = position_stats(
+        draft_logits, target_logits, mode=mode, temperature=temperature, d2t=d2t, generator=generator
+    )
+    return chain_verification(stat, valid, target_argmax, draft_token, mode=mode, generator=generator)
 
+
+def position_stats(
+    draft_logits: Tensor,
+    target_logits: Tensor,
+    *,
+    mode: str = "greedy",
+    temperature: float = 1.0,
+    d2t: Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """The per-position half of ``simulate_verification`` (no grad): each position on its own.
+
+    draft_logits [..., Vd], target_logits [..., V] (any leading dims; a chunk of rows works as well as
+    the whole batch, which is how the chunked loss path calls it).
+    Returns ``(stat, target_argmax, draft_token)``, each ``[...]``: ``stat`` is the draft's argmax
+    matching the target's (greedy, bool), the acceptance ratio ``p(x) / q(x)`` of the drawn x (sampled;
+    the uniform draw that turns it into a bit is ``chain_verification``'s, after every position's x), or
+    alpha (expected). ``draft_token`` in target ids; None in expected mode.
+    """
     with torch.no_grad():
-        target_argmax = target_logits.argmax(-1)  # [..., k] target ids
-        draft_token: Tensor | None = None
-
+        target_argmax = target_logits.argmax(-1)  # [...] target ids
         if mode == "greedy":
             # 1. draft argmax in target ids; a target argmax outside the draft vocab never matches
-            draft_token = draft_to_target(draft_logits.argmax(-1), d2t)  # [..., k]
-            accept = (draft_token == target_argmax) & valid
+            draft_token = draft_to_target(draft_logits.argmax(-1), d2t)
+            return draft_token == target_argmax, target_argmax, draft_token
+        logq = F.log_softmax(draft_logits.float() / temperature, dim=-1)  # [..., Vd]
+        lse_p = log_normaliser(target_logits, temperature)  # [...], full-vocab normaliser
+        if mode == "sampled":
+            # 1. x ~ q
+            Vd = logq.shape[-1]
+            x = torch.multinomial(logq.exp().reshape(-1, Vd), 1, generator=generator).view(logq.shape[:-1])
+            draft_token = draft_to_target(x, d2t)
+            # 2. the acceptance ratio p(x) / q(x) (accepted with prob min(1, ratio))
+            logq_x = logq.gather(-1, x.unsqueeze(-1)).squeeze(-1)
+            logit_p_x = target_logits.gather(-1, draft_token.unsqueeze(-1)).squeeze(-1).float()
+            return (logit_p_x / temperature - lse_p - logq_x).exp(), target_argmax, draft_token
+        # alpha = sum_x min(p(x), q(x)); q is zero off the draft vocab's target ids, so only
+        # those V_d columns of p are needed (p still normalised over the full V).
+        cols = target_logits
+        if d2t is not None:
+            cols = target_logits.index_select(-1, target_ids(d2t))  # [..., Vd]
+        p = (cols.float() / temperature - lse_p.unsqueeze(-1)).exp()  # [..., Vd]
+        alpha = torch.minimum(p, logq.exp()).sum(-1).clamp(0.0, 1.0)
+        return alpha, target_argmax, None
+
+
+def chain_verification(
+    stat: Tensor,
+    valid: Tensor,
+    target_argmax: Tensor,
+    draft_token: Tensor | None,
+    *,
+    mode: str = "greedy",
+    generator: torch.Generator | None = None,
+) -> Verification:
+    """The chain half of ``simulate_verification``: ``position_stats``'s ``[..., k]`` outputs and the
+    ``valid [..., k]`` prefix mask -> accept bits, first rejection and alive labels (no grad).
+    Sampled mode draws its uniforms here, one per position, after all of ``position_stats``'s draws."""
+    lead = valid.shape  # [..., k]
+    with torch.no_grad():
+        if mode == "greedy":
+            accept = stat & valid
+        elif mode == "sampled":
+            # u in [0, 1) so ratio >= 1 always accepts
+            u = torch.rand(lead, generator=generator, device=stat.device)
+            accept = (u < stat) & valid
         else:
-            logq = F.log_softmax(draft_logits.float() / temperature, dim=-1)  # [..., k, Vd]
-            lse_p = log_normaliser(target_logits, temperature)  # [..., k], full-vocab normaliser
-            if mode == "sampled":
-                # 1. x ~ q
-                Vd = logq.shape[-1]
-                x = torch.multinomial(logq.exp().reshape(-1, Vd), 1, generator=generator).view(lead)
-                draft_token = draft_to_target(x, d2t)  # [..., k]
-                # 2. accept with prob min(1, p(x) / q(x)); u in [0, 1) so ratio >= 1 always accepts
-                logq_x = logq.gather(-1, x.unsqueeze(-1)).squeeze(-1)
-                logit_p_x = target_logits.gather(-1, draft_token.unsqueeze(-1)).squeeze(-1).float()
-                ratio = (logit_p_x / temperature - lse_p - logq_x).exp()  # [..., k]
-                u = torch.rand(lead, generator=generator, device=ratio.device)
-                accept = (u < ratio) & valid
-            else:
-                # alpha = sum_x min(p(x), q(x)); q is zero off the draft vocab's target ids, so only
-                # those V_d columns of p are needed (p still normalised over the full V).
-                cols = target_logits
-                if d2t is not None:
-                    cols = target_logits.index_select(-1, target_ids(d2t))  # [..., k, Vd]
-                p = (cols.float() / temperature - lse_p.unsqueeze(-1)).exp()  # [..., k, Vd]
-                alpha = torch.minimum(p, logq.exp()).sum(-1).clamp(0.0, 1.0)  # [..., k]
-                accept = torch.where(valid, alpha, torch.zeros_like(alpha))
+            accept = torch.where(valid, stat, torch.zeros_like(stat))
 
         valid_f = valid.float()
         if mode == "expected":

@@ -22,25 +22,46 @@ from vatspec.target import skinny_linear
 class DraftOutput:
     """Chains of k drafted positions; ``...`` are the chain dims ([B, T] or [B, A]).
 
-    logits:        [..., k, Vd] draft logits over the draft vocabulary.
-    hidden:        [..., k, H]  the drafter's last hidden state at each position (the accept head's input).
-    target_logits: [..., k, V]  target logits predicting the same tokens (may be a strided view).
+    logits:        [..., k, Vd] draft logits over the draft vocabulary; None when the drafter was
+                   asked for none (``with_logits=False``, the chunked path: ``lm_head`` instead).
+    hidden:        [..., k, H]  the drafter's last hidden state at each position (what the lm_head and
+                   the accept head read).
+    target_logits: [..., k, V]  target logits predicting the same tokens (may be a strided view); with
+                   ``target_index``: the target's rows [P, V], position (..., j) reading row
+                   ``target_index[..., j]``.
     valid:         [..., k] bool, True where the position exists and is supervised; a prefix mask along k.
+    lm_head:       [Vd, H] weight with ``logits = hidden @ lm_head^T`` (float32, then soft-capped by
+                   ``softcap`` if set); given when ``logits`` is None.
+    target_index:  [..., k] long, see ``target_logits``; None when that is per position already.
     """
 
-    logits: Tensor
+    logits: Tensor | None
     hidden: Tensor
     target_logits: Tensor
     valid: Tensor
+    lm_head: Tensor | None = None
+    softcap: float | None = None
+    target_index: Tensor | None = None
 
     def __post_init__(self):
         k = self.valid.shape[-1]
         lead = self.valid.shape
-        assert self.logits.shape[:-1] == lead, f"logits {tuple(self.logits.shape)} vs valid {tuple(lead)}"
+        if self.logits is None:
+            assert self.lm_head is not None and self.lm_head.shape[-1] == self.hidden.shape[-1], (
+                "a DraftOutput without logits needs lm_head [Vd, H]"
+            )
+        else:
+            assert self.logits.shape[:-1] == lead, f"logits {tuple(self.logits.shape)} vs valid {tuple(lead)}"
         assert self.hidden.shape[:-1] == lead, f"hidden {tuple(self.hidden.shape)} vs valid {tuple(lead)}"
-        assert self.target_logits.shape[:-1] == lead, (
-            f"target_logits {tuple(self.target_logits.shape)} vs valid {tuple(lead)}"
-        )
+        if self.target_index is None:
+            assert self.target_logits.shape[:-1] == lead, (
+                f"target_logits {tuple(self.target_logits.shape)} vs valid {tuple(lead)}"
+            )
+        else:
+            assert self.target_index.shape == lead and self.target_logits.dim() == 2, (
+                f"target_index {tuple(self.target_index.shape)} must be {tuple(lead)} over target rows [P, V], "
+                f"got {tuple(self.target_logits.shape)}"
+            )
         assert k >= 1 and self.valid.dtype == torch.bool
 
 

@@ -429,6 +429,7 @@ class DFlashDrafter(nn.Module):
         *,
         num_anchors: int | None = None,
         generator: torch.Generator | None = None,
+        with_logits: bool = True,
     ) -> DraftOutput:
         """All blocks of the batch in one pass -> DraftOutput with chains ``[B, A]`` and k = B - 1.
 
@@ -440,7 +441,10 @@ class DFlashDrafter(nn.Module):
         Returns logits ``[B, A, k, V]`` (float32), hidden ``[B, A, k, H]`` = the drafter's last
         hidden state after the final norm (the accept head's input), target_logits ``[B, A, k, V]``
         (the target's logits at anchor + j - 1, i.e. predicting the token at anchor + j), valid
-        ``[B, A, k]``.
+        ``[B, A, k]``. ``with_logits=False`` (the chunked loss path, ``vatspec.chunked``): no logits and
+        no gathered target logits; ``lm_head`` is the target's lm_head weight (``softcap`` its final
+        logit soft-capping), ``target_logits`` the target's rows ``tout.logits`` ([N, V], or [B, T, V]
+        as [B*T, V]) and ``target_index [B, A, k]`` the row each position reads.
         """
         input_ids, attn, _ = _batch_tensors(batch)
         B, T = input_ids.shape
@@ -480,25 +484,36 @@ class DFlashDrafter(nn.Module):
         # 4. draft
         hidden = self.run_block(ids.view(B, A * Bs), qpos, ctx_kv, mask).view(B, A, Bs, -1)[:, :, 1:]
         hidden = hidden.contiguous()  # lm_head on a strided view runs as a 4x slower bmm on CPU
-        logits = self.compute_logits(hidden)  # [B, A, k, V]
 
         # 5. target logits predicting anchor + j come from position anchor + j - 1
         valid = self.chain_valid(batch, anchors)  # [B, A, k]
         tpos = (_label_positions(pos, Bs) - 1).clamp(0, T - 1)
-        target_logits = self._gather_target_logits(batch, anchors, tout.logits, tpos, valid)
+        table, index = self._target_rows(batch, anchors, tout.logits, tpos, valid)
+        if not with_logits:
+            head = self.target.lm_head
+            if head.bias is not None:
+                raise ValueError("the chunked loss path needs a bias-free target lm_head; set loss.chunk_size=0")
+            return DraftOutput(
+                logits=None, hidden=hidden, target_logits=table, valid=valid, lm_head=head.weight,
+                softcap=getattr(self.target.config, "final_logit_softcapping", None) or None, target_index=index,
+            )
+        logits = self.compute_logits(hidden)  # [B, A, k, V]
+        target_logits = table[index] if table.shape[0] else table.new_zeros(B, A, k, table.shape[-1])  # [B, A, k, V]
         assert logits.shape[:3] == (B, A, k)
         return DraftOutput(logits=logits, hidden=hidden, target_logits=target_logits, valid=valid)
 
     forward = training_forward
 
-    def _gather_target_logits(
+    def _target_rows(
         self, batch: Any, anchors: Anchors, tl: Tensor | None, tpos: Tensor, valid: Tensor
-    ) -> Tensor:
+    ) -> tuple[Tensor, Tensor]:
+        """The target's logits as rows ``[P, V]`` and the row ``[B, A, k]`` each position reads."""
         B, A, k = tpos.shape
         if tl is None:
             raise ValueError("tout.logits is None: DFlash needs the target's logits (logits_at=logits_positions)")
         if tl.dim() == 3:  # full [B, T, V]
-            return _gather_bt(tl, tpos)
+            T = tl.shape[1]
+            return tl.reshape(B * T, -1), torch.arange(B, device=tpos.device)[:, None, None] * T + tpos
         at = self.logits_positions(batch, anchors)
         N = int(at.sum())
         if tl.shape[0] != N:
@@ -506,11 +521,8 @@ class DFlashDrafter(nn.Module):
                 f"tout.logits has {tl.shape[0]} rows but logits_positions(batch, anchors) selects {N}: "
                 "call the target with logits_at=drafter.logits_positions(batch, anchors) for these anchors"
             )
-        if N == 0:
-            return tl.new_zeros(B, A, k, tl.shape[-1])
         row = at.view(-1).long().cumsum(0).view(at.shape) - 1  # [B, T] -> row of tl, -1 if not selected
-        idx = _gather_bt(row, tpos).masked_fill(~valid, 0)
-        return tl[idx]  # [B, A, k, V]
+        return tl, _gather_bt(row, tpos).masked_fill(~valid, 0)  # [N, V], [B, A, k]
 
     # ------------------------------------------------------------------ inference
     def new_session(self, head: AcceptHead | None = None, exit_threshold: float | None = None) -> DFlashSession:

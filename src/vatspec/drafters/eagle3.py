@@ -362,10 +362,10 @@ class Eagle3Drafter(nn.Module):
         return cos.to(dt), sin.to(dt)
 
     # --------------------------------------------------------------- training
-    def forward(self, batch, tout) -> DraftOutput:
-        return self.training_forward(batch, tout)
+    def forward(self, batch, tout, *, with_logits: bool = True) -> DraftOutput:
+        return self.training_forward(batch, tout, with_logits=with_logits)
 
-    def training_forward(self, batch, tout) -> DraftOutput:
+    def training_forward(self, batch, tout, *, with_logits: bool = True) -> DraftOutput:
         """The TTT unroll over every chain index of the batch (module docstring: alignment).
 
         batch: ``input_ids`` [B, T] long, ``attention_mask`` [B, T], ``loss_mask`` [B, T] bool
@@ -388,6 +388,10 @@ class Eagle3Drafter(nn.Module):
                                         tokens, label position t+2+i < T, attention_mask and
                                         loss_mask true there
         Whether the target's argmax lies in the draft vocabulary is left to the losses (t2d).
+        ``with_logits=False`` (the chunked loss path, ``vatspec.chunked``): no logits and no padded
+        copy; ``lm_head`` is the lm_head weight, ``target_logits`` is ``tout.logits`` as rows
+        [B*T, V] and ``target_index`` [B, T', k] = b*T + t + 1 + i (clamped to the last row where
+        past the end: those positions are invalid).
         """
         input_ids = batch_field(batch, "input_ids")
         B, T = input_ids.shape
@@ -433,20 +437,28 @@ class Eagle3Drafter(nn.Module):
             h = self.midlayer(emb[:, i : i + Tc], h, cos, sin, attend)
             hn = self.norm(h)
             hidden.append(hn)
-            logits.append(self.lm_head(hn))
+            if with_logits:
+                logits.append(self.lm_head(hn))
         # 4. targets and supervision, aligned to [b, t, i]. Rows t + 1 + i run to T + k - 3, k - 2 past
         # the end: a strided view cannot reach past its storage, so for k > 2 the rows are copied
         # once with zero padding ([B, T + k - 3, V], the logits' own size plus k - 2 rows); zeros,
         # not -inf, keep the unused softmaxes finite (a NaN there would reach the gradient).
-        rows = logits_t[:, 1:]  # [B, T-1, V]
-        if pad:
-            rows = torch.nn.functional.pad(rows, (0, 0, 0, pad))  # [B, T-1+pad, V]
-        target_logits = rows.unfold(1, k, 1)[:, :Tc].transpose(-1, -2)  # [B, T', k, V], a view of rows
         with torch.no_grad():
             sup = torch.nn.functional.pad(am & lm, (0, k - 1), value=False)  # [B, T+k-1], out of range = False
             label_ok = sup[:, 2:].unfold(1, k, 1)  # [B, T', k]: sup at t + 2 + i
             start_ok = am[:, :Tc] & am[:, 1 : Tc + 1]  # [B, T']: f_t and x_{t+1} are real
             valid = (start_ok[..., None] & label_ok).long().cumprod(-1).bool()
+        if not with_logits:
+            step = idx[:, None] + 1 + torch.arange(k, device=dev)  # [T', k] t + 1 + i
+            index = torch.arange(B, device=dev)[:, None, None] * T + step.clamp(max=T - 1)  # [B, T', k]
+            return DraftOutput(
+                logits=None, hidden=torch.stack(hidden, dim=2), target_logits=logits_t.reshape(B * T, -1),
+                valid=valid, lm_head=self.lm_head.weight, target_index=index,
+            )
+        rows = logits_t[:, 1:]  # [B, T-1, V]
+        if pad:
+            rows = torch.nn.functional.pad(rows, (0, 0, 0, pad))  # [B, T-1+pad, V]
+        target_logits = rows.unfold(1, k, 1)[:, :Tc].transpose(-1, -2)  # [B, T', k, V], a view of rows
         return DraftOutput(
             logits=torch.stack(logits, dim=2),
             hidden=torch.stack(hidden, dim=2),

@@ -1,0 +1,156 @@
+"""Peak memory and step time of one training step at a large vocabulary: unchunked vs chunked lm_head + CE.
+
+Every variant runs in a fresh subprocess (peaks do not mix) and reports the peak resident memory of
+its training steps above what the process held before them (``ru_maxrss`` minus the RSS before the
+first step; torch has no CPU allocator statistics), and the median step time (target forward,
+drafter forward, verification, loss, backward, optimiser step: ``train.arm_step`` as the loop runs
+it). The target is a random Llama built in code: vocabulary 152k (Qwen3's), hidden 64, 8 layers;
+or ``--target PATH`` for a real one (then the data are random ids of its vocabulary too).
+
+    .venv/bin/python scripts/bench_vocab_memory.py                       # DFlash 512x16 and EAGLE-3 k=7 @ 2048
+    .venv/bin/python scripts/bench_vocab_memory.py --only dflash --anchors 256 --chunks 0 512
+    .venv/bin/python scripts/bench_vocab_memory.py --target ~/.cache/vatspec/targets/gemma-3-270m-it \\
+        --length 1024 --anchors 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+VOCAB, HIDDEN, LAYERS = 151_936, 64, 8  # Qwen3's vocabulary; a tiny body so the vocabulary dominates
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def one(args) -> dict:
+    """One variant in this process: build, warm up once, time ``args.steps`` steps."""
+    import torch
+
+    from vatspec.config import load_config
+    from vatspec.data import Batch
+    from vatspec.drafters import build_drafter, plan_batch
+    from vatspec.target import Target, open_target
+    from vatspec.train import _build_arm, arm_step, shared_target_pass, step_generator
+
+    torch.manual_seed(0)
+    if args.target:
+        target = open_target(args.target, device="cpu", dtype="float32")
+    else:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=4 * HIDDEN, num_hidden_layers=LAYERS,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                          tie_word_embeddings=True)
+        target = Target(LlamaForCausalLM(cfg).eval(), tokenizer=None)
+    V, T = target.vocab_size, args.length
+    overrides = [f"drafter.kind={args.kind}", "loss.kind=vat", f"loss.chunk_size={args.chunk}",
+                 f"drafter.ttt_steps={args.ttt_steps}", f"drafter.block_size={args.block_size}",
+                 f"drafter.num_anchors={args.anchors}", f"drafter.draft_vocab_size={args.draft_vocab}",
+                 f"train.out_dir={tempfile.mkdtemp()}"]
+    cfg = load_config(None, overrides)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, V, (args.batch_size, T), generator=g)
+    counts = torch.bincount(ids.view(-1), minlength=V)
+    arm = _build_arm(cfg, target, counts, 10, 1, torch.device("cpu"), None)
+    del build_drafter
+    lm = torch.ones(args.batch_size, T, dtype=torch.bool)
+    lm[:, :16] = False  # a short prompt
+    batch = Batch(input_ids=ids, attention_mask=torch.ones(args.batch_size, T, dtype=torch.long), loss_mask=lm)
+
+    def step(i: int) -> tuple[float, float]:
+        gen = step_generator(0, i, 0, 0)
+        plan = plan_batch(arm.drafter, batch, cfg.drafter, gen, with_logits=not cfg.loss.chunk_size)
+        t0 = time.perf_counter()
+        tout = shared_target_pass(target, batch, [arm.drafter], [plan])[0]
+        t1 = time.perf_counter()
+        arm.opt.zero_grad(set_to_none=True)
+        res = arm_step(arm.model, arm.drafter, batch, tout, plan, arm.loss_cfg, gen)
+        res.loss.backward()
+        arm.opt.step()
+        t2 = time.perf_counter()
+        return t2 - t0, t2 - t1, float(res.loss)
+
+    base = _rss_mib()
+    times, dtimes, losses = [], [], []
+    for i in range(args.steps + 1):
+        t, dt, loss = step(i)
+        if i:  # the first step is the warm-up
+            times.append(t)
+            dtimes.append(dt)
+        losses.append(loss)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return {"kind": args.kind, "chunk": args.chunk, "peak_mib": peak - base, "maxrss_mib": peak,
+            "step_s": statistics.median(times), "drafter_step_s": statistics.median(dtimes), "losses": losses,
+            "vocab": V, "length": T, "threads": torch.get_num_threads()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--only", choices=["dflash", "eagle3"], help="one drafter (default: both)")
+    ap.add_argument("--chunks", type=int, nargs="+", default=[0, 1024], help="loss.chunk_size values; 0 = unchunked")
+    ap.add_argument("--target", help="a target folder (default: the random 152k-vocabulary Llama)")
+    ap.add_argument("--length", type=int, default=2048)
+    ap.add_argument("--batch-size", type=int, default=1)
+    ap.add_argument("--anchors", type=int, default=512)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--ttt-steps", type=int, default=7)
+    ap.add_argument("--draft-vocab", type=int, default=32000)
+    ap.add_argument("--steps", type=int, default=2, help="timed steps after one warm-up step")
+    ap.add_argument("--json", help="write the figures here")
+    ap.add_argument("--one", nargs=2, metavar=("KIND", "CHUNK"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+
+    if args.one:
+        args.kind, args.chunk = args.one[0], int(args.one[1])
+        print(json.dumps(one(args)))
+        return
+    rows = []
+    for kind in [args.only] if args.only else ["dflash", "eagle3"]:
+        for chunk in args.chunks:
+            cmd = [sys.executable, __file__, "--one", kind, str(chunk), "--length", str(args.length),
+                   "--batch-size", str(args.batch_size), "--anchors", str(args.anchors), "--block-size",
+                   str(args.block_size), "--ttt-steps", str(args.ttt_steps), "--draft-vocab", str(args.draft_vocab),
+                   "--steps", str(args.steps)] + (["--target", args.target] if args.target else [])
+            p = subprocess.run(cmd, capture_output=True, text=True)
+            if p.returncode != 0:
+                tail = (p.stderr.strip().splitlines() or ["?"])[-1]
+                print(f"{kind} chunk={chunk}: failed (exit {p.returncode}: {tail})", flush=True)
+                rows.append({"kind": kind, "chunk": chunk, "failed": tail, "exit": p.returncode})
+                continue
+            rows.append(json.loads(p.stdout.strip().splitlines()[-1]))
+            r = rows[-1]
+            print(f"{kind:>6} chunk={chunk:<5} peak {r['peak_mib']:8.0f} MiB (maxrss {r['maxrss_mib']:.0f})  "
+                  f"step {r['step_s']:.2f}s  drafter step {r['drafter_step_s']:.2f}s", flush=True)
+    what = f"target {args.target or f'random Llama V={VOCAB} H={HIDDEN}'}, batch {args.batch_size}x{args.length}"
+    print(f"\n{what}; DFlash {args.anchors} anchors x block {args.block_size}, EAGLE-3 k={args.ttt_steps} "
+          f"draft vocab {args.draft_vocab}; peak = max RSS of the steps above the RSS before them")
+    print(f"{'drafter':>7} {'chunk':>6} {'peak MiB':>9} {'vs unchunked':>13} {'step s':>7} {'ratio':>6} "
+          f"{'drafter s':>9} {'ratio':>6}")
+    for r in rows:
+        base = next((b for b in rows if b["kind"] == r["kind"] and b["chunk"] == 0 and "failed" not in b), None)
+        if "failed" in r:
+            print(f"{r['kind']:>7} {r['chunk']:>6} {'failed: ' + r['failed']}")
+            continue
+        lower = f"{base['peak_mib'] / r['peak_mib']:.1f}x lower" if base and r is not base else ""
+        ratio = f"{r['step_s'] / base['step_s']:.2f}" if base else ""
+        dratio = f"{r['drafter_step_s'] / base['drafter_step_s']:.2f}" if base else ""
+        print(f"{r['kind']:>7} {r['chunk']:>6} {r['peak_mib']:>9.0f} {lower:>13} {r['step_s']:>7.2f} {ratio:>6} "
+              f"{r['drafter_step_s']:>9.2f} {dratio:>6}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,240 @@
+"""The vocabulary-wide work of a training step, chunk by chunk (``loss.chunk_size`` > 0).
+
+With ``loss.chunk_size = 0`` a step holds, for its N = chains x k positions, the draft logits
+[N, Vd], the target logits of every position [N, V] (DFlash gathers them; EAGLE-3 reads a view of
+a padded copy), the soft labels [N, Vd], their log-softmax, and in backward two more [N, Vd]
+buffers, all float32: at V = 152k, DFlash with 512 anchors x block 16 is 4.7 GB each.
+
+Here the drafter returns its last hidden state [N, H] with its lm_head weight [Vd, H] instead of
+logits, and the target's logits as the rows the target computed [P, V] with an index per position
+(P target positions; EAGLE-3's k steps and DFlash's overlapping blocks share rows). Then:
+
+1. teacher (no grad), over the P' rows the supervised positions read, in chunks: the target argmax
+   [P'] and, for the soft term, the target softmax over the draft vocabulary [P', Vd] (EAGLE-3: the
+   ``t2d`` columns, renormalised; DFlash: all V). Never [N, k, V].
+2. one pass over the N' kept positions (the valid ones; every one in sampled mode, whose draws walk
+   every position as ``simulate_verification`` does), C rows at a time: ``x = h W^T`` in float32,
+   the draft argmax, the soft and hard CE, and (sampled / expected) ``verify.position_stats``.
+3. backward (``_ChunkedHeadCE``): recompute x per chunk and hand
+   ``dx = (gs + gh) softmax(x) - gs p - gh onehot`` (``losses._TokenCE``'s gradient) to the matmuls
+   ``dh = dx W``, ``dW += dx^T h``. Nothing of width V outlives its chunk.
+
+The per-position results ([..., k] CE with grad, draft argmax, a ``Verification``) feed
+``losses.vat_objective`` and ``metrics.chain_metrics`` unchanged, so weights and reduction are
+the unchunked path's. Values and gradients equal it to float rounding (``tests/test_chunked.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from vatspec.drafters.base import DraftOutput
+from vatspec.drafters.vocab import target_ids
+from vatspec.losses import LossConfig, hard_labels
+from vatspec.verify import Verification, chain_verification, draft_to_target, position_stats
+
+
+def head_logits(hidden: Tensor, weight: Tensor, softcap: float | None = None) -> Tensor:
+    """``hidden [n, H] @ weight[Vd, H]^T`` in at least float32, soft-capped (Gemma) if ``softcap``."""
+    dtype = torch.promote_types(weight.dtype, torch.float32)
+    x = F.linear(hidden.to(weight.dtype), weight).to(dtype)
+    return torch.tanh(x / softcap) * softcap if softcap else x
+
+
+class _ChunkedHeadCE(torch.autograd.Function):
+    """Soft and hard CE of ``head_logits(hidden, weight)`` over rows, ``chunk`` rows at a time.
+
+    Inputs: hidden [N, H], weight [Vd, H], p [P, Vd] soft labels read at rows p_index [N] (or None),
+    labels [N] draft ids (or None). ``on_chunk(x, start, end)``, if given, sees each chunk's float32
+    logits (no grad) once in forward. Returns (soft [N] or None, hard [N] or None, argmax [N]).
+    Saves only its inputs; backward recomputes each chunk's logits.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, p, p_index, labels, chunk, softcap, on_chunk):
+        N = hidden.shape[0]
+        dtype = torch.promote_types(weight.dtype, torch.float32)
+        soft = hidden.new_empty(N, dtype=dtype) if p is not None else None
+        hard = hidden.new_empty(N, dtype=dtype) if labels is not None else None
+        argmax = torch.empty(N, dtype=torch.long, device=hidden.device)
+        for s in range(0, N, chunk):
+            e = min(N, s + chunk)
+            x = head_logits(hidden[s:e], weight, softcap)  # [c, Vd]
+            argmax[s:e] = x.argmax(-1)
+            if on_chunk is not None:
+                on_chunk(x, s, e)
+            logq = torch.log_softmax(x, dim=-1)
+            if p is not None:
+                soft[s:e] = -torch.einsum("nv,nv->n", p[p_index[s:e]].to(dtype), logq)
+            if labels is not None:
+                hard[s:e] = -logq.gather(-1, labels[s:e, None]).squeeze(-1)
+        ctx.save_for_backward(hidden, weight, p, p_index, labels)
+        ctx.chunk, ctx.softcap = chunk, softcap
+        ctx.mark_non_differentiable(argmax)
+        return soft, hard, argmax
+
+    @staticmethod
+    def backward(ctx, g_soft, g_hard, _g_argmax):
+        hidden, weight, p, p_index, labels = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[:2]
+        N = hidden.shape[0]
+        dtype = torch.promote_types(weight.dtype, torch.float32)
+        dh = torch.empty_like(hidden) if need_h else None
+        dw = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if need_w else None
+        use_soft = p is not None and g_soft is not None
+        use_hard = labels is not None and g_hard is not None
+        for s in range(0, N, ctx.chunk):
+            e = min(N, s + ctx.chunk)
+            h = hidden[s:e].to(weight.dtype)
+            x = head_logits(h, weight, ctx.softcap)  # [c, Vd]
+            g_sum = (g_soft[s:e] if use_soft else 0) + (g_hard[s:e] if use_hard else 0)
+            dx = torch.softmax(x, dim=-1).mul_(torch.as_tensor(g_sum, dtype=dtype)[..., None])
+            if use_soft:
+                dx.sub_(p[p_index[s:e]].to(dtype) * g_soft[s:e, None])
+            if use_hard:
+                dx.scatter_add_(-1, labels[s:e, None], -g_hard[s:e, None].to(dtype))
+            if ctx.softcap:  # x = c tanh(z / c): dx/dz = 1 - (x / c)^2
+                dx.mul_(1 - (x / ctx.softcap) ** 2)
+            dx = dx.to(weight.dtype)
+            if need_h:
+                dh[s:e] = (dx @ weight).to(dh.dtype)
+            if need_w:
+                dw.addmm_(dx.T.to(dtype), h.to(dtype))
+        return dh, dw.to(weight.dtype) if need_w else None, None, None, None, None, None, None
+
+
+def chunked_token_ce(
+    hidden: Tensor,
+    weight: Tensor,
+    p: Tensor | None,
+    p_index: Tensor | None,
+    labels: Tensor | None,
+    *,
+    chunk_size: int,
+    softcap: float | None = None,
+    on_chunk: Callable[[Tensor, int, int], None] | None = None,
+) -> tuple[Tensor | None, Tensor | None, Tensor]:
+    """Per-row soft and hard CE of the logits ``hidden [N, H] @ weight [Vd, H]^T`` (float32 or wider),
+    never holding more than ``chunk_size`` rows of them.
+
+    p [P, Vd] soft labels read at ``p_index [N]`` (None: no soft term); labels [N] draft ids (None: no
+    hard term). Returns ``(soft [N] or None, hard [N] or None, draft argmax [N])``. Equal to
+    ``losses.token_ce(head_logits(hidden, weight), p[p_index], labels)``, gradients w.r.t. hidden and
+    weight included.
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    assert hidden.dim() == 2 and weight.dim() == 2 and hidden.shape[1] == weight.shape[1], (
+        f"hidden {tuple(hidden.shape)} must be [N, H] and weight {tuple(weight.shape)} [Vd, H]"
+    )
+    if p is not None:
+        assert p_index is not None and p_index.shape == hidden.shape[:1] and p.shape[1] == weight.shape[0], (
+            f"p {tuple(p.shape)} must be [P, Vd] with p_index [N]"
+        )
+    return _ChunkedHeadCE.apply(hidden, weight, p, p_index, labels, int(chunk_size), softcap, on_chunk)
+
+
+def teacher(
+    table: Tensor, rows: Tensor, d2t: Tensor | None, *, chunk_size: int, soft: bool
+) -> tuple[Tensor, Tensor | None]:
+    """The target side of the chunked path (no grad): for ``table [P, V]`` target logits read at
+    ``rows [U]``, the target argmax ``[U]`` (full vocabulary) and, if ``soft``, the soft labels
+    ``[U, Vd]``: the target softmax over the draft vocabulary's target ids (``d2t``; all V if None),
+    renormalised over them (``losses.soft_targets``). ``chunk_size`` rows of width V at a time."""
+    with torch.no_grad():
+        tid = target_ids(d2t) if d2t is not None else None
+        U = rows.shape[0]
+        argmax = torch.empty(U, dtype=torch.long, device=table.device)
+        Vd = tid.numel() if tid is not None else table.shape[1]
+        p = torch.empty(U, Vd, dtype=torch.promote_types(table.dtype, torch.float32), device=table.device) if soft \
+            else None
+        for s in range(0, U, chunk_size):
+            e = min(U, s + chunk_size)
+            t = table[rows[s:e]]  # [c, V]
+            argmax[s:e] = t.argmax(-1)
+            if soft:
+                cols = t.index_select(-1, tid) if tid is not None else t
+                p[s:e] = torch.softmax(cols.to(p.dtype), dim=-1)
+        return argmax, p
+
+
+def chunked_pass(
+    out: DraftOutput,
+    cfg: LossConfig,
+    *,
+    d2t: Tensor | None = None,
+    t2d: Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> tuple[Verification, tuple[Tensor | None, Tensor | None], Tensor]:
+    """Verification, the per-position CE and the draft argmax of a chunked ``DraftOutput``
+    (``out.logits`` is None; ``out.lm_head``, ``out.target_logits [P, V]`` and ``out.target_index``
+    given), ``cfg.chunk_size`` rows at a time.
+
+    Returns ``(v, (soft [..., k] or None, hard [..., k] or None), draft_argmax [..., k])``: what
+    ``simulate_verification``, ``losses.token_ce`` and the metrics compute from full logits, for
+    ``vat_objective(..., ce=...)`` and ``chain_metrics(..., draft_argmax=...)``. Soft and hard CE are
+    0 and the argmax 0 at positions the pass skips (invalid ones, outside sampled mode): every
+    consumer masks them.
+    """
+    if out.logits is not None or out.lm_head is None or out.target_index is None:
+        raise ValueError("chunked_pass needs a DraftOutput made with with_logits=False (lm_head and target_index)")
+    C = cfg.chunk_size
+    valid = out.valid  # [..., k]
+    lead, H = valid.shape, out.hidden.shape[-1]
+    table, V = out.target_logits, out.target_logits.shape[-1]
+    keep = valid.reshape(-1) if cfg.verify != "sampled" else torch.ones(valid.numel(), dtype=torch.bool,
+                                                                      device=valid.device)
+    pos = keep.nonzero().squeeze(-1)  # [N'] flat positions the pass computes
+    rows = out.target_index.reshape(-1)[pos]  # [N'] target rows they read
+
+    # 1. teacher, once per target row read
+    used, inv = torch.unique(rows, return_inverse=True)  # [U], [N']
+    t_argmax, p = teacher(table, used, d2t, chunk_size=C, soft=bool(cfg.soft))
+    target_argmax = torch.zeros(valid.numel(), dtype=torch.long, device=valid.device)
+    target_argmax[pos] = t_argmax[inv]
+    target_argmax = target_argmax.view(lead)
+    labels, _ = hard_labels(target_argmax, d2t, t2d, V)  # [..., k]
+
+    # 2. the chunk pass; sampled / expected verification statistics from the same logits
+    stat = draft_token = None
+    if cfg.verify != "greedy":
+        stat = torch.zeros(pos.numel(), device=valid.device)
+        draft_token = torch.zeros(pos.numel(), dtype=torch.long, device=valid.device)
+
+        def on_chunk(x: Tensor, s: int, e: int) -> None:
+            st, _, tok = position_stats(x, table[rows[s:e]], mode=cfg.verify, temperature=cfg.temperature,
+                                        d2t=d2t, generator=generator)
+            stat[s:e] = st.to(stat.dtype)
+            if tok is not None:
+                draft_token[s:e] = tok
+    else:
+        on_chunk = None
+    hidden = out.hidden.reshape(-1, H)[pos]  # [N', H]
+    soft, hard, argmax = chunked_token_ce(
+        hidden, out.lm_head, p, inv if cfg.soft else None, labels.reshape(-1)[pos] if cfg.hard else None,
+        chunk_size=C, softcap=out.softcap, on_chunk=on_chunk,
+    )
+
+    # 3. back to [..., k]
+    def spread(x: Tensor | None, fill: Tensor) -> Tensor | None:
+        return None if x is None else fill.index_put((pos,), x).view(lead)
+
+    zeros = torch.zeros(valid.numel(), dtype=soft.dtype if soft is not None else torch.float32, device=valid.device)
+    ce = (spread(soft, zeros), spread(hard, zeros if hard is None else zeros.to(hard.dtype)))
+    draft_argmax = spread(argmax, torch.zeros(valid.numel(), dtype=torch.long, device=valid.device))
+    with torch.no_grad():
+        if cfg.verify == "greedy":
+            draft_token = draft_to_target(draft_argmax, d2t)
+            stat = draft_token == target_argmax
+        else:
+            stat = spread(stat, torch.zeros(valid.numel(), device=valid.device))
+            if cfg.verify == "sampled":
+                draft_token = spread(draft_token, torch.zeros(valid.numel(), dtype=torch.long, device=valid.device))
+            else:
+                draft_token = None
+    v = chain_verification(stat, valid, target_argmax, draft_token, mode=cfg.verify, generator=generator)
+    return v, ce, draft_argmax

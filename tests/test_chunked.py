@@ -1,0 +1,150 @@
+"""The chunked lm_head + CE path (loss.chunk_size > 0) against the unchunked one: same losses, parts,
+metrics and gradients of every drafter parameter; gradcheck of the autograd function itself."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from tests.conftest import tiny_llama
+from vatspec.chunked import chunked_token_ce, head_logits
+from vatspec.config import load_config
+from vatspec.drafters import build_drafter, plan_batch
+from vatspec.drafters.base import AcceptHead
+from vatspec.losses import token_ce
+from vatspec.target import Target
+from vatspec.train import TrainModule, arm_step, step_generator
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+# float64: both paths are the same math summed in another order, so they agree to ~1e-15; float32
+# logits of a sum over V (log-softmax, the dot with p) keep ~1e-7 relative, grads ~1e-6
+RTOL64, RTOL32 = 1e-10, 1e-5
+V = 96
+
+
+def _case(dtype: torch.dtype, N: int = 11, H: int = 8, Vd: int = 24, P: int = 5, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(N, H, generator=g, dtype=dtype).requires_grad_()
+    weight = torch.randn(Vd, H, generator=g, dtype=dtype).requires_grad_()
+    p = torch.softmax(torch.randn(P, Vd, generator=g, dtype=dtype), -1)
+    p_index = torch.randint(0, P, (N,), generator=g)
+    labels = torch.randint(0, Vd, (N,), generator=g)
+    gs, gh = torch.rand(N, generator=g, dtype=dtype), torch.rand(N, generator=g, dtype=dtype)
+    return hidden, weight, p, p_index, labels, gs, gh
+
+
+@pytest.mark.parametrize("dtype,rtol", [(torch.float64, RTOL64), (torch.float32, RTOL32)])
+@pytest.mark.parametrize("softcap", [None, 3.0])
+@pytest.mark.parametrize("chunk", [1, 4, 100])
+def test_chunked_ce_equals_token_ce_values_and_grads(dtype, rtol, softcap, chunk):
+    hidden, weight, p, p_index, labels, gs, gh = _case(dtype)
+    soft, hard, argmax = chunked_token_ce(hidden, weight, p, p_index, labels, chunk_size=chunk, softcap=softcap)
+    grads = torch.autograd.grad((soft * gs).sum() + (hard * gh).sum(), (hidden, weight))
+
+    # the reference: full logits through the unchunked fused CE
+    x = head_logits(hidden, weight, softcap)
+    ref_soft, ref_hard = token_ce(x, p[p_index], labels)
+    ref_grads = torch.autograd.grad((ref_soft * gs).sum() + (ref_hard * gh).sum(), (hidden, weight))
+
+    torch.testing.assert_close(soft, ref_soft, rtol=rtol, atol=0)
+    torch.testing.assert_close(hard, ref_hard, rtol=rtol, atol=0)
+    assert torch.equal(argmax, x.argmax(-1))
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b, rtol=rtol, atol=rtol * b.abs().max().item())
+
+
+@pytest.mark.parametrize("softcap", [None, 2.0])
+def test_gradcheck(softcap):
+    hidden, weight, p, p_index, labels, _, _ = _case(torch.float64, N=5, H=3, Vd=7, P=3)
+
+    def f(h, w):
+        soft, hard, _ = chunked_token_ce(h, w, p, p_index, labels, chunk_size=2, softcap=softcap)
+        return soft, hard
+
+    assert torch.autograd.gradcheck(f, (hidden, weight))
+
+
+def test_only_the_terms_asked_for():
+    hidden, weight, p, p_index, labels, _, _ = _case(torch.float64)
+    soft, hard, _ = chunked_token_ce(hidden, weight, None, None, labels, chunk_size=3)
+    assert soft is None and hard is not None
+    (dh,) = torch.autograd.grad(hard.sum(), hidden)
+    ref = token_ce(head_logits(hidden, weight), None, labels)[1]
+    torch.testing.assert_close(dh, torch.autograd.grad(ref.sum(), hidden)[0], rtol=RTOL64, atol=1e-14)
+
+
+# ----------------------------------------------------------------------------- one training step
+
+
+@pytest.fixture(scope="module")
+def target() -> Target:
+    return Target(tiny_llama(vocab_size=V, layers=8, seed=0), tokenizer=None)
+
+
+def _batch():
+    """Two sequences: a 3-token prompt (unsupervised), the second padded by 4: invalid positions in
+    the middle of the chains' rows, so the pass that skips them is exercised."""
+    from vatspec.data import Batch
+
+    g = torch.Generator().manual_seed(3)
+    B, T = 2, 24
+    ids = torch.randint(3, V, (B, T), generator=g)
+    am = torch.ones(B, T, dtype=torch.long)
+    am[1, -4:] = 0
+    lm = am.bool()
+    lm[:, :3] = False
+    return Batch(input_ids=ids, attention_mask=am, loss_mask=lm)
+
+
+def _step(target, kind: str, overrides: list[str], chunk: int):
+    cfg = load_config(None, [f"drafter.kind={kind}", "drafter.draft_vocab_size=40", "drafter.ttt_steps=4",
+                             "drafter.block_size=5", "drafter.num_anchors=6", *overrides, f"loss.chunk_size={chunk}"])
+    counts = torch.arange(V) % 7  # a non-identity EAGLE-3 draft vocabulary: some target ids outside it
+    torch.manual_seed(0)
+    drafter = build_drafter(cfg.drafter, target, counts)
+    head = AcceptHead(drafter.hidden_size) if cfg.loss.head else None
+    module = TrainModule(drafter, head)
+    batch = _batch()
+    plan = plan_batch(drafter, batch, cfg.drafter, step_generator(0, 0, 0, 0), with_logits=not chunk)
+    tout = target(batch.input_ids, batch.attention_mask, drafter.target_layer_ids, logits_at=plan.logits_at)
+    res = arm_step(module, drafter, batch, tout, plan, cfg.loss, step_generator(0, 1, 0, 0))
+    res.loss.backward()
+    grads = {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+    return res, grads
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+@pytest.mark.parametrize("overrides", [
+    ["loss.kind=vat"],
+    ["loss.kind=vat", "loss.verify=sampled", "loss.temperature=0.7"],
+    ["loss.kind=vat", "loss.verify=expected"],
+    ["loss.kind=eagle3"],
+    ["loss.kind=dflash", "loss.gamma=3"],
+], ids=["vat", "vat-sampled", "vat-expected", "eagle3", "dflash"])
+def test_training_step_equals_unchunked(target, kind, overrides):
+    ref, ref_grads = _step(target, kind, overrides, chunk=0)
+    res, grads = _step(target, kind, overrides, chunk=7)
+    torch.testing.assert_close(res.loss, ref.loss, rtol=RTOL32, atol=0)
+    assert res.parts.keys() == ref.parts.keys()
+    for name in ref.parts:
+        torch.testing.assert_close(res.parts[name], ref.parts[name], rtol=RTOL32, atol=1e-7)
+    assert res.metrics.keys() == ref.metrics.keys()
+    for name, want in ref.metrics.items():  # accept counts, tau_sim, head accuracy
+        assert res.metrics[name] == pytest.approx(want, nan_ok=True), name
+    assert torch.equal(res.metrics.chain_accepted, ref.metrics.chain_accepted)
+    assert grads.keys() == ref_grads.keys() and "drafter.fc.weight" in grads
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(grads[name], g, rtol=RTOL32, atol=RTOL32 * g.abs().max().item(), msg=name)
+
+
+def test_chunk_size_is_checked():
+    from vatspec.config import ConfigError
+    from vatspec.losses import LossConfig
+
+    with pytest.raises(ValueError, match="chunk_size"):
+        dataclasses.replace(LossConfig(), chunk_size=-1)
+    with pytest.raises(ConfigError, match="chunk_size"):
+        load_config(None, ["loss.chunk_size=abc"])

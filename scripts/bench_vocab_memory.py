@@ -34,13 +34,13 @@ def _rss_mib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def one(args) -> dict:
-    """One variant in this process: build, warm up once, time ``args.steps`` steps."""
+def build(args):
+    """The target and one step function per ``args.chunks`` value (same drafter init for each)."""
     import torch
 
     from vatspec.config import load_config
     from vatspec.data import Batch
-    from vatspec.drafters import build_drafter, plan_batch
+    from vatspec.drafters import plan_batch
     from vatspec.target import Target, open_target
     from vatspec.train import _build_arm, arm_step, shared_target_pass, step_generator
 
@@ -55,45 +55,67 @@ def one(args) -> dict:
                           tie_word_embeddings=True)
         target = Target(LlamaForCausalLM(cfg).eval(), tokenizer=None)
     V, T = target.vocab_size, args.length
-    overrides = [f"drafter.kind={args.kind}", "loss.kind=vat", f"loss.chunk_size={args.chunk}",
-                 f"drafter.ttt_steps={args.ttt_steps}", f"drafter.block_size={args.block_size}",
-                 f"drafter.num_anchors={args.anchors}", f"drafter.draft_vocab_size={args.draft_vocab}",
-                 f"train.out_dir={tempfile.mkdtemp()}"]
-    cfg = load_config(None, overrides)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, V, (args.batch_size, T), generator=g)
     counts = torch.bincount(ids.view(-1), minlength=V)
-    arm = _build_arm(cfg, target, counts, 10, 1, torch.device("cpu"), None)
-    del build_drafter
     lm = torch.ones(args.batch_size, T, dtype=torch.bool)
     lm[:, :16] = False  # a short prompt
     batch = Batch(input_ids=ids, attention_mask=torch.ones(args.batch_size, T, dtype=torch.long), loss_mask=lm)
 
-    def step(i: int) -> tuple[float, float]:
-        gen = step_generator(0, i, 0, 0)
-        plan = plan_batch(arm.drafter, batch, cfg.drafter, gen, with_logits=not cfg.loss.chunk_size)
-        t0 = time.perf_counter()
-        tout = shared_target_pass(target, batch, [arm.drafter], [plan])[0]
-        t1 = time.perf_counter()
-        arm.opt.zero_grad(set_to_none=True)
-        res = arm_step(arm.model, arm.drafter, batch, tout, plan, arm.loss_cfg, gen)
-        res.loss.backward()
-        arm.opt.step()
-        t2 = time.perf_counter()
-        return t2 - t0, t2 - t1, float(res.loss)
+    def make_step(chunk: int):
+        cfg = load_config(None, [
+            f"drafter.kind={args.kind}", "loss.kind=vat", f"loss.chunk_size={chunk}",
+            f"drafter.ttt_steps={args.ttt_steps}",
+            f"drafter.block_size={args.block_size}", f"drafter.num_anchors={args.anchors}",
+            f"drafter.draft_vocab_size={args.draft_vocab}", f"train.out_dir={tempfile.mkdtemp()}"])
+        arm = _build_arm(cfg, target, counts, 10, 1, torch.device("cpu"), None)
 
+        def step(i: int) -> tuple[float, float, float]:
+            gen = step_generator(0, i, 0, 0)
+            plan = plan_batch(arm.drafter, batch, cfg.drafter, gen, with_logits=not chunk)
+            t0 = time.perf_counter()
+            tout = shared_target_pass(target, batch, [arm.drafter], [plan])[0]
+            t1 = time.perf_counter()
+            arm.opt.zero_grad(set_to_none=True)
+            res = arm_step(arm.model, arm.drafter, batch, tout, plan, arm.loss_cfg, gen)
+            res.loss.backward()
+            arm.opt.step()
+            t2 = time.perf_counter()
+            return t2 - t0, t2 - t1, float(res.loss)
+
+        return step
+
+    return target, {c: make_step(c) for c in args.chunks}
+
+
+def measure_memory(args) -> dict:
+    """Peak RSS of one step (``args.chunks`` holds one value) above the RSS before it."""
+    import torch
+
+    _, steps = build(args)
+    (chunk, step), = steps.items()
     base = _rss_mib()
-    times, dtimes, losses = [], [], []
-    for i in range(args.steps + 1):
-        t, dt, loss = step(i)
-        if i:  # the first step is the warm-up
-            times.append(t)
-            dtimes.append(dt)
-        losses.append(loss)
+    t, dt, loss = step(0)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return {"kind": args.kind, "chunk": args.chunk, "peak_mib": peak - base, "maxrss_mib": peak,
-            "step_s": statistics.median(times), "drafter_step_s": statistics.median(dtimes), "losses": losses,
-            "vocab": V, "length": T, "threads": torch.get_num_threads()}
+    return {"kind": args.kind, "chunk": chunk, "peak_mib": peak - base, "maxrss_mib": peak, "loss": loss,
+            "threads": torch.get_num_threads()}
+
+
+def measure_time(args) -> dict:
+    """Median step time of every chunk value, the variants alternating step by step after one
+    warm-up step each, so a machine shared with other work slows them alike."""
+    _, steps = build(args)
+    order = list(steps)
+    times = {c: [] for c in order}
+    dtimes = {c: [] for c in order}
+    for i in range(args.steps + 1):
+        for c in order if i % 2 == 0 else order[::-1]:
+            t, dt, _ = steps[c](i)
+            if i:
+                times[c].append(t)
+                dtimes[c].append(dt)
+    return {"kind": args.kind, "step_s": {c: statistics.median(v) for c, v in times.items()},
+            "drafter_step_s": {c: statistics.median(v) for c, v in dtimes.items()}}
 
 
 def main() -> None:
@@ -109,45 +131,61 @@ def main() -> None:
     ap.add_argument("--draft-vocab", type=int, default=32000)
     ap.add_argument("--steps", type=int, default=2, help="timed steps after one warm-up step")
     ap.add_argument("--json", help="write the figures here")
-    ap.add_argument("--one", nargs=2, metavar=("KIND", "CHUNK"), help=argparse.SUPPRESS)
+    ap.add_argument("--mode", choices=["memory", "time"], help=argparse.SUPPRESS)  # one subprocess
+    ap.add_argument("--kind", help=argparse.SUPPRESS)
     args = ap.parse_args()
 
-    if args.one:
-        args.kind, args.chunk = args.one[0], int(args.one[1])
-        print(json.dumps(one(args)))
+    if args.mode:
+        print(json.dumps(measure_memory(args) if args.mode == "memory" else measure_time(args)))
         return
+    common = ["--length", str(args.length), "--batch-size", str(args.batch_size), "--anchors", str(args.anchors),
+              "--block-size", str(args.block_size), "--ttt-steps", str(args.ttt_steps), "--draft-vocab",
+              str(args.draft_vocab), "--steps", str(args.steps)] + (["--target", args.target] if args.target else [])
+
+    def sub(mode: str, kind: str, chunks: list[int]) -> dict | None:
+        cmd = [sys.executable, __file__, "--mode", mode, "--kind", kind, "--chunks", *map(str, chunks), *common]
+        p = subprocess.run(cmd, capture_output=True, text=True)
+        if p.returncode != 0:
+            tail = (p.stderr.strip().splitlines() or ["?"])[-1]
+            print(f"{kind} {mode} chunks={chunks}: failed (exit {p.returncode}: {tail})", flush=True)
+            return None
+        return json.loads(p.stdout.strip().splitlines()[-1])
+
     rows = []
     for kind in [args.only] if args.only else ["dflash", "eagle3"]:
-        for chunk in args.chunks:
-            cmd = [sys.executable, __file__, "--one", kind, str(chunk), "--length", str(args.length),
-                   "--batch-size", str(args.batch_size), "--anchors", str(args.anchors), "--block-size",
-                   str(args.block_size), "--ttt-steps", str(args.ttt_steps), "--draft-vocab", str(args.draft_vocab),
-                   "--steps", str(args.steps)] + (["--target", args.target] if args.target else [])
-            p = subprocess.run(cmd, capture_output=True, text=True)
-            if p.returncode != 0:
-                tail = (p.stderr.strip().splitlines() or ["?"])[-1]
-                print(f"{kind} chunk={chunk}: failed (exit {p.returncode}: {tail})", flush=True)
-                rows.append({"kind": kind, "chunk": chunk, "failed": tail, "exit": p.returncode})
-                continue
-            rows.append(json.loads(p.stdout.strip().splitlines()[-1]))
-            r = rows[-1]
-            print(f"{kind:>6} chunk={chunk:<5} peak {r['peak_mib']:8.0f} MiB (maxrss {r['maxrss_mib']:.0f})  "
-                  f"step {r['step_s']:.2f}s  drafter step {r['drafter_step_s']:.2f}s", flush=True)
+        mem = {}
+        for c in args.chunks:
+            r = sub("memory", kind, [c])
+            mem[c] = r["peak_mib"] if r else None
+            if r:
+                print(f"{kind:>6} chunk={c:<5} peak {r['peak_mib']:8.0f} MiB (maxrss {r['maxrss_mib']:.0f})",
+                      flush=True)
+        tm = sub("time", kind, args.chunks) if args.steps else None
+        for c in args.chunks:
+            rows.append({"kind": kind, "chunk": c, "peak_mib": mem[c],
+                         "step_s": tm["step_s"][str(c)] if tm else None,
+                         "drafter_step_s": tm["drafter_step_s"][str(c)] if tm else None})
     what = f"target {args.target or f'random Llama V={VOCAB} H={HIDDEN}'}, batch {args.batch_size}x{args.length}"
     print(f"\n{what}; DFlash {args.anchors} anchors x block {args.block_size}, EAGLE-3 k={args.ttt_steps} "
-          f"draft vocab {args.draft_vocab}; peak = max RSS of the steps above the RSS before them")
+          f"draft vocab {args.draft_vocab}; peak = max RSS of one step above the RSS before it; step times are "
+          f"medians of {args.steps} steps, variants alternating in one process")
     print(f"{'drafter':>7} {'chunk':>6} {'peak MiB':>9} {'vs unchunked':>13} {'step s':>7} {'ratio':>6} "
           f"{'drafter s':>9} {'ratio':>6}")
+
+    def fmt(x, f):
+        return format(x, f) if x is not None else "-"
+
     for r in rows:
-        base = next((b for b in rows if b["kind"] == r["kind"] and b["chunk"] == 0 and "failed" not in b), None)
-        if "failed" in r:
-            print(f"{r['kind']:>7} {r['chunk']:>6} {'failed: ' + r['failed']}")
-            continue
-        lower = f"{base['peak_mib'] / r['peak_mib']:.1f}x lower" if base and r is not base else ""
-        ratio = f"{r['step_s'] / base['step_s']:.2f}" if base else ""
-        dratio = f"{r['drafter_step_s'] / base['drafter_step_s']:.2f}" if base else ""
-        print(f"{r['kind']:>7} {r['chunk']:>6} {r['peak_mib']:>9.0f} {lower:>13} {r['step_s']:>7.2f} {ratio:>6} "
-              f"{r['drafter_step_s']:>9.2f} {dratio:>6}")
+        base = next((b for b in rows if b["kind"] == r["kind"] and b["chunk"] == 0), None)
+        lower = ratio = dratio = ""
+        if base and r is not base:
+            if base["peak_mib"] and r["peak_mib"]:
+                lower = f"{base['peak_mib'] / r['peak_mib']:.1f}x lower"
+            if base["step_s"] and r["step_s"]:
+                ratio = f"{r['step_s'] / base['step_s']:.2f}"
+                dratio = f"{r['drafter_step_s'] / base['drafter_step_s']:.2f}"
+        print(f"{r['kind']:>7} {r['chunk']:>6} {fmt(r['peak_mib'], '9.0f')} {lower:>13} {fmt(r['step_s'], '7.2f')} "
+              f"{ratio:>6} {fmt(r['drafter_step_s'], '9.2f')} {dratio:>6}")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
 

@@ -15,7 +15,7 @@ from vatspec.drafters import build_drafter, plan_batch
 from vatspec.drafters.base import AcceptHead
 from vatspec.losses import token_ce
 from vatspec.target import Target
-from vatspec.train import TrainModule, arm_step, step_generator
+from vatspec.train import TrainModule, arm_step, shared_target_pass, step_generator
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -99,7 +99,9 @@ def _batch():
     return Batch(input_ids=ids, attention_mask=am, loss_mask=lm)
 
 
-def _step(target, kind: str, overrides: list[str], chunk: int):
+def _step(target, kind: str, overrides: list[str], chunk: int, target_logits: bool = False):
+    """One step as the loop runs it; ``target_logits``: the target computes its logits even when
+    chunked (the chunked path then reads their rows instead of turning hidden rows into logits)."""
     cfg = load_config(None, [f"drafter.kind={kind}", "drafter.draft_vocab_size=40", "drafter.ttt_steps=4",
                              "drafter.block_size=5", "drafter.num_anchors=6", *overrides, f"loss.chunk_size={chunk}"])
     counts = torch.arange(V) % 7  # a non-identity EAGLE-3 draft vocabulary: some target ids outside it
@@ -109,7 +111,11 @@ def _step(target, kind: str, overrides: list[str], chunk: int):
     module = TrainModule(drafter, head)
     batch = _batch()
     plan = plan_batch(drafter, batch, cfg.drafter, step_generator(0, 0, 0, 0), with_logits=not chunk)
-    tout = target(batch.input_ids, batch.attention_mask, drafter.target_layer_ids, logits_at=plan.logits_at)
+    if target_logits:
+        tout = target(batch.input_ids, batch.attention_mask, drafter.target_layer_ids, logits_at=plan.logits_at)
+    else:
+        tout = shared_target_pass(target, batch, [drafter], [plan])[0]
+        assert (tout.logits is None) == bool(chunk)
     res = arm_step(module, drafter, batch, tout, plan, cfg.loss, step_generator(0, 1, 0, 0))
     res.loss.backward()
     grads = {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
@@ -124,9 +130,10 @@ def _step(target, kind: str, overrides: list[str], chunk: int):
     ["loss.kind=eagle3"],
     ["loss.kind=dflash", "loss.gamma=3"],
 ], ids=["vat", "vat-sampled", "vat-expected", "eagle3", "dflash"])
-def test_training_step_equals_unchunked(target, kind, overrides):
+@pytest.mark.parametrize("target_logits", [False, True], ids=["from-hidden", "from-logits"])
+def test_training_step_equals_unchunked(target, kind, overrides, target_logits):
     ref, ref_grads = _step(target, kind, overrides, chunk=0)
-    res, grads = _step(target, kind, overrides, chunk=7)
+    res, grads = _step(target, kind, overrides, chunk=7, target_logits=target_logits)
     torch.testing.assert_close(res.loss, ref.loss, rtol=RTOL32, atol=0)
     assert res.parts.keys() == ref.parts.keys()
     for name in ref.parts:

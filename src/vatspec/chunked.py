@@ -38,11 +38,16 @@ from vatspec.losses import LossConfig, hard_labels
 from vatspec.verify import Verification, chain_verification, draft_to_target, position_stats
 
 
-def head_logits(hidden: Tensor, weight: Tensor, softcap: float | None = None) -> Tensor:
-    """``hidden [n, H] @ weight[Vd, H]^T`` in at least float32, soft-capped (Gemma) if ``softcap``."""
+def head_logits(hidden: Tensor, weight: Tensor, softcap: float | None = None, out: Tensor | None = None) -> Tensor:
+    """``hidden [n, H] @ weight[Vd, H]^T`` in at least float32, soft-capped (Gemma) if ``softcap``.
+    ``out``: a float32-or-wider [n, Vd] buffer to write into (reused across chunks: no fresh pages)."""
     dtype = torch.promote_types(weight.dtype, torch.float32)
-    x = F.linear(hidden.to(weight.dtype), weight).to(dtype)
-    return torch.tanh(x / softcap) * softcap if softcap else x
+    h = hidden.to(weight.dtype)
+    if out is None:
+        x = F.linear(h, weight).to(dtype)
+        return torch.tanh(x / softcap) * softcap if softcap else x
+    x = torch.mm(h, weight.T, out=out) if weight.dtype == dtype else out.copy_(F.linear(h, weight))
+    return x.div_(softcap).tanh_().mul_(softcap) if softcap else x
 
 
 class _ChunkedHeadCE(torch.autograd.Function):
@@ -51,59 +56,81 @@ class _ChunkedHeadCE(torch.autograd.Function):
     Inputs: hidden [N, H], weight [Vd, H], p [P, Vd] soft labels read at rows p_index [N] (or None),
     labels [N] draft ids (or None). ``on_chunk(x, start, end)``, if given, sees each chunk's float32
     logits (no grad) once in forward. Returns (soft [N] or None, hard [N] or None, argmax [N]).
-    Saves only its inputs; backward recomputes each chunk's logits.
+    Saves its inputs and the log-normaliser [N]; backward recomputes each chunk's logits. One
+    [chunk, Vd] buffer (two with soft labels) serves every chunk, worked on in place.
+
+    With ``lse = logsumexp(x)`` and p summing to 1: ``soft = lse - p.x``, ``hard = lse - x[label]``;
+    backward: ``dx = (gs + gh) exp(x - lse) - gs p - gh onehot`` (``losses._TokenCE``'s gradient).
     """
 
     @staticmethod
     def forward(ctx, hidden, weight, p, p_index, labels, chunk, softcap, on_chunk):
         N = hidden.shape[0]
         dtype = torch.promote_types(weight.dtype, torch.float32)
-        soft = hidden.new_empty(N, dtype=dtype) if p is not None else None
-        hard = hidden.new_empty(N, dtype=dtype) if labels is not None else None
-        argmax = torch.empty(N, dtype=torch.long, device=hidden.device)
+        dev = hidden.device
+        soft = torch.empty(N, dtype=dtype, device=dev) if p is not None else None
+        hard = torch.empty(N, dtype=dtype, device=dev) if labels is not None else None
+        argmax = torch.empty(N, dtype=torch.long, device=dev)
+        lse = torch.empty(N, dtype=dtype, device=dev)
+        xbuf = torch.empty(min(chunk, N), weight.shape[0], dtype=dtype, device=dev)
+        pbuf = torch.empty_like(xbuf) if p is not None else None
         for s in range(0, N, chunk):
             e = min(N, s + chunk)
-            x = head_logits(hidden[s:e], weight, softcap)  # [c, Vd]
+            x = head_logits(hidden[s:e], weight, softcap, out=xbuf[: e - s])  # [c, Vd]
             argmax[s:e] = x.argmax(-1)
             if on_chunk is not None:
                 on_chunk(x, s, e)
-            logq = torch.log_softmax(x, dim=-1)
+            dot = None
             if p is not None:
-                soft[s:e] = -torch.einsum("nv,nv->n", p[p_index[s:e]].to(dtype), logq)
+                pc = torch.index_select(p, 0, p_index[s:e], out=pbuf[: e - s]) if p.dtype == dtype \
+                    else p[p_index[s:e]].to(dtype)
+                dot = torch.einsum("nv,nv->n", pc, x)
+            x_label = x.gather(-1, labels[s:e, None]).squeeze(-1) if labels is not None else None
+            m = x.amax(-1)
+            lse[s:e] = x.sub_(m[:, None]).exp_().sum(-1).log_().add_(m)  # x is spent from here on
+            if p is not None:
+                soft[s:e] = lse[s:e] - dot
             if labels is not None:
-                hard[s:e] = -logq.gather(-1, labels[s:e, None]).squeeze(-1)
-        ctx.save_for_backward(hidden, weight, p, p_index, labels)
+                hard[s:e] = lse[s:e] - x_label
+        ctx.save_for_backward(hidden, weight, p, p_index, labels, lse)
         ctx.chunk, ctx.softcap = chunk, softcap
         ctx.mark_non_differentiable(argmax)
         return soft, hard, argmax
 
     @staticmethod
     def backward(ctx, g_soft, g_hard, _g_argmax):
-        hidden, weight, p, p_index, labels = ctx.saved_tensors
+        hidden, weight, p, p_index, labels, lse = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[:2]
-        N = hidden.shape[0]
+        N, cap = hidden.shape[0], ctx.softcap
         dtype = torch.promote_types(weight.dtype, torch.float32)
         dh = torch.empty_like(hidden) if need_h else None
         dw = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if need_w else None
         use_soft = p is not None and g_soft is not None
         use_hard = labels is not None and g_hard is not None
+        xbuf = torch.empty(min(ctx.chunk, N), weight.shape[0], dtype=dtype, device=hidden.device)
+        pbuf = torch.empty_like(xbuf) if use_soft else None
+        zero = torch.zeros(N, dtype=dtype, device=hidden.device)
+        gs = g_soft.to(dtype) if use_soft else zero
+        gh = g_hard.to(dtype) if use_hard else zero
         for s in range(0, N, ctx.chunk):
             e = min(N, s + ctx.chunk)
             h = hidden[s:e].to(weight.dtype)
-            x = head_logits(h, weight, ctx.softcap)  # [c, Vd]
-            g_sum = (g_soft[s:e] if use_soft else 0) + (g_hard[s:e] if use_hard else 0)
-            dx = torch.softmax(x, dim=-1).mul_(torch.as_tensor(g_sum, dtype=dtype)[..., None])
+            x = head_logits(h, weight, cap, out=xbuf[: e - s])  # [c, Vd]
+            dcap = 1 - (x / cap) ** 2 if cap else None  # x = c tanh(z / c): dx/dz = 1 - (x / c)^2
+            dx = x.sub_(lse[s:e, None]).exp_().mul_((gs[s:e] + gh[s:e])[:, None])  # in place: softmax * g
             if use_soft:
-                dx.sub_(p[p_index[s:e]].to(dtype) * g_soft[s:e, None])
+                pc = torch.index_select(p, 0, p_index[s:e], out=pbuf[: e - s]) if p.dtype == dtype \
+                    else p[p_index[s:e]].to(dtype)
+                dx.addcmul_(pc, gs[s:e, None], value=-1)
             if use_hard:
-                dx.scatter_add_(-1, labels[s:e, None], -g_hard[s:e, None].to(dtype))
-            if ctx.softcap:  # x = c tanh(z / c): dx/dz = 1 - (x / c)^2
-                dx.mul_(1 - (x / ctx.softcap) ** 2)
-            dx = dx.to(weight.dtype)
+                dx.scatter_add_(-1, labels[s:e, None], -gh[s:e, None])
+            if cap:
+                dx.mul_(dcap)
+            dxw = dx.to(weight.dtype)
             if need_h:
-                dh[s:e] = (dx @ weight).to(dh.dtype)
+                dh[s:e] = (dxw @ weight).to(dh.dtype)
             if need_w:
-                dw.addmm_(dx.T.to(dtype), h.to(dtype))
+                dw.addmm_(dx.T, h.to(dtype))
         return dh, dw.to(weight.dtype) if need_w else None, None, None, None, None, None, None
 
 
@@ -139,22 +166,30 @@ def chunked_token_ce(
 
 
 def teacher(
-    table: Tensor, rows: Tensor, d2t: Tensor | None, *, chunk_size: int, soft: bool
+    table: Tensor,
+    rows: Tensor,
+    d2t: Tensor | None,
+    *,
+    chunk_size: int,
+    soft: bool,
+    head: Callable[[Tensor], Tensor] | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """The target side of the chunked path (no grad): for ``table [P, V]`` target logits read at
-    ``rows [U]``, the target argmax ``[U]`` (full vocabulary) and, if ``soft``, the soft labels
-    ``[U, Vd]``: the target softmax over the draft vocabulary's target ids (``d2t``; all V if None),
-    renormalised over them (``losses.soft_targets``). ``chunk_size`` rows of width V at a time."""
+    """The target side of the chunked path (no grad): for ``table [P, V]`` target logits (or, with
+    ``head``, rows [P, H_t] that ``head`` turns into logits) read at ``rows [U]``, the target argmax
+    ``[U]`` (full vocabulary) and, if ``soft``, the soft labels ``[U, Vd]``: the target softmax over
+    the draft vocabulary's target ids (``d2t``; all V if None), renormalised over them
+    (``losses.soft_targets``). ``chunk_size`` rows of width V at a time."""
     with torch.no_grad():
         tid = target_ids(d2t) if d2t is not None else None
         U = rows.shape[0]
         argmax = torch.empty(U, dtype=torch.long, device=table.device)
-        Vd = tid.numel() if tid is not None else table.shape[1]
-        p = torch.empty(U, Vd, dtype=torch.promote_types(table.dtype, torch.float32), device=table.device) if soft \
-            else None
+        p = None
         for s in range(0, U, chunk_size):
             e = min(U, s + chunk_size)
-            t = table[rows[s:e]]  # [c, V]
+            t = table[rows[s:e]] if head is None else head(table[rows[s:e]])  # [c, V]
+            if soft and p is None:
+                Vd = tid.numel() if tid is not None else t.shape[1]
+                p = torch.empty(U, Vd, dtype=torch.promote_types(t.dtype, torch.float32), device=table.device)
             argmax[s:e] = t.argmax(-1)
             if soft:
                 cols = t.index_select(-1, tid) if tid is not None else t
@@ -185,7 +220,7 @@ def chunked_pass(
     C = cfg.chunk_size
     valid = out.valid  # [..., k]
     lead, H = valid.shape, out.hidden.shape[-1]
-    table, V = out.target_logits, out.target_logits.shape[-1]
+    table, V = out.target_logits, out.vocab_size
     keep = valid.reshape(-1) if cfg.verify != "sampled" else torch.ones(valid.numel(), dtype=torch.bool,
                                                                       device=valid.device)
     pos = keep.nonzero().squeeze(-1)  # [N'] flat positions the pass computes
@@ -193,7 +228,7 @@ def chunked_pass(
 
     # 1. teacher, once per target row read
     used, inv = torch.unique(rows, return_inverse=True)  # [U], [N']
-    t_argmax, p = teacher(table, used, d2t, chunk_size=C, soft=bool(cfg.soft))
+    t_argmax, p = teacher(table, used, d2t, chunk_size=C, soft=bool(cfg.soft), head=out.target_head)
     target_argmax = torch.zeros(valid.numel(), dtype=torch.long, device=valid.device)
     target_argmax[pos] = t_argmax[inv]
     target_argmax = target_argmax.view(lead)
@@ -206,8 +241,9 @@ def chunked_pass(
         draft_token = torch.zeros(pos.numel(), dtype=torch.long, device=valid.device)
 
         def on_chunk(x: Tensor, s: int, e: int) -> None:
-            st, _, tok = position_stats(x, table[rows[s:e]], mode=cfg.verify, temperature=cfg.temperature,
-                                        d2t=d2t, generator=generator)
+            t = table[rows[s:e]] if out.target_head is None else out.target_head(table[rows[s:e]])  # [c, V]
+            st, _, tok = position_stats(x, t, mode=cfg.verify, temperature=cfg.temperature, d2t=d2t,
+                                        generator=generator)
             stat[s:e] = st.to(stat.dtype)
             if tok is not None:
                 draft_token[s:e] = tok

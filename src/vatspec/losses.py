@@ -367,7 +367,7 @@ def vat_objective(
     if v.valid.shape != out.valid.shape:
         raise ValueError(f"Verification valid {tuple(v.valid.shape)} vs DraftOutput valid {tuple(out.valid.shape)}")
     valid = out.valid  # [..., k]
-    V = out.target_logits.shape[-1]
+    V = out.vocab_size
 
     # 1. labels and weights (no grad)
     labels, in_vocab = hard_targets(v, d2t, t2d, V)  # [..., k]

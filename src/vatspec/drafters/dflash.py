@@ -444,7 +444,8 @@ class DFlashDrafter(nn.Module):
         ``[B, A, k]``. ``with_logits=False`` (the chunked loss path, ``vatspec.chunked``): no logits and
         no gathered target logits; ``lm_head`` is the target's lm_head weight (``softcap`` its final
         logit soft-capping), ``target_logits`` the target's rows ``tout.logits`` ([N, V], or [B, T, V]
-        as [B*T, V]) and ``target_index [B, A, k]`` the row each position reads.
+        as [B*T, V]; or, run without logits, ``tout.hidden`` as [B*T, H] with ``target_head`` = the
+        target's ``logits``) and ``target_index [B, A, k]`` the row each position reads.
         """
         input_ids, attn, _ = _batch_tensors(batch)
         B, T = input_ids.shape
@@ -488,7 +489,10 @@ class DFlashDrafter(nn.Module):
         # 5. target logits predicting anchor + j come from position anchor + j - 1
         valid = self.chain_valid(batch, anchors)  # [B, A, k]
         tpos = (_label_positions(pos, Bs) - 1).clamp(0, T - 1)
-        table, index = self._target_rows(batch, anchors, tout.logits, tpos, valid)
+        if with_logits or tout.logits is not None:
+            table, index = self._target_rows(batch, anchors, tout.logits, tpos, valid)
+        else:  # the chunked path turns the target's hidden rows into logits itself
+            table, index = tout.hidden.reshape(B * T, -1), torch.arange(B, device=dev)[:, None, None] * T + tpos
         if not with_logits:
             head = self.target.lm_head
             if head.bias is not None:
@@ -496,6 +500,8 @@ class DFlashDrafter(nn.Module):
             return DraftOutput(
                 logits=None, hidden=hidden, target_logits=table, valid=valid, lm_head=head.weight,
                 softcap=getattr(self.target.config, "final_logit_softcapping", None) or None, target_index=index,
+                target_head=None if tout.logits is not None else self.target.logits,
+                target_vocab_size=self.config.vocab_size,
             )
         logits = self.compute_logits(hidden)  # [B, A, k, V]
         target_logits = table[index] if table.shape[0] else table.new_zeros(B, A, k, table.shape[-1])  # [B, A, k, V]

@@ -291,6 +291,7 @@ class Eagle3Drafter(nn.Module):
         self._inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
         self._inv_freq_by_device: dict[torch.device, Tensor] = {}
         object.__setattr__(self, "_embed", None)  # the target's embedding: a reference, not a submodule
+        object.__setattr__(self, "_target_head", None)  # the target's hidden -> logits, a reference too
 
     @classmethod
     def from_target(cls, target, **config_kw) -> Eagle3Drafter:
@@ -330,6 +331,7 @@ class Eagle3Drafter(nn.Module):
                 f"(vocab_size={self.config.vocab_size}, hidden_size={self.config.hidden_size})"
             )
         object.__setattr__(self, "_embed", emb)
+        object.__setattr__(self, "_target_head", getattr(target, "logits", None))  # Target.logits, for chunking
 
     def set_vocab(self, d2t: Tensor, t2d: Tensor) -> None:
         """Install a draft vocabulary (``vocab.build_draft_vocab``): d2t [Vd] long, t2d [V] bool."""
@@ -390,8 +392,9 @@ class Eagle3Drafter(nn.Module):
         Whether the target's argmax lies in the draft vocabulary is left to the losses (t2d).
         ``with_logits=False`` (the chunked loss path, ``vatspec.chunked``): no logits and no padded
         copy; ``lm_head`` is the lm_head weight, ``target_logits`` is ``tout.logits`` as rows
-        [B*T, V] and ``target_index`` [B, T', k] = b*T + t + 1 + i (clamped to the last row where
-        past the end: those positions are invalid).
+        [B*T, V] (or, when the target ran without logits, ``tout.hidden`` as rows [B*T, H_t] with
+        ``target_head`` = the target's ``logits``) and ``target_index`` [B, T', k] = b*T + t + 1 + i
+        (clamped to the last row where past the end: those positions are invalid).
         """
         input_ids = batch_field(batch, "input_ids")
         B, T = input_ids.shape
@@ -410,7 +413,8 @@ class Eagle3Drafter(nn.Module):
         if feats is None or tuple(feats.shape) != (B, T, n_feat):
             shape = None if feats is None else tuple(feats.shape)
             raise ValueError(f"tout.features {shape} must be [B, T, {n_feat}] = ({B}, {T}, {n_feat})")
-        if logits_t is None or tuple(logits_t.shape) != (B, T, self.config.vocab_size):
+        need = with_logits or logits_t is not None  # chunked: the target may run without logits
+        if need and (logits_t is None or tuple(logits_t.shape) != (B, T, self.config.vocab_size)):
             shape = None if logits_t is None else tuple(logits_t.shape)
             raise ValueError(f"tout.logits {shape} must be full [B, T, V] = ({B}, {T}, {self.config.vocab_size})")
         assert am.shape == lm.shape == (B, T), f"masks {tuple(am.shape)} / {tuple(lm.shape)} vs input_ids {(B, T)}"
@@ -451,9 +455,15 @@ class Eagle3Drafter(nn.Module):
         if not with_logits:
             step = idx[:, None] + 1 + torch.arange(k, device=dev)  # [T', k] t + 1 + i
             index = torch.arange(B, device=dev)[:, None, None] * T + step.clamp(max=T - 1)  # [B, T', k]
+            head = None
+            if logits_t is None:
+                if self._target_head is None:
+                    raise ValueError("tout.logits is None and the drafter was attached to no Target (its logits)")
+                logits_t, head = tout.hidden, self._target_head
             return DraftOutput(
                 logits=None, hidden=torch.stack(hidden, dim=2), target_logits=logits_t.reshape(B * T, -1),
-                valid=valid, lm_head=self.lm_head.weight, target_index=index,
+                valid=valid, lm_head=self.lm_head.weight, target_index=index, target_head=head,
+                target_vocab_size=self.config.vocab_size,
             )
         rows = logits_t[:, 1:]  # [B, T-1, V]
         if pad:

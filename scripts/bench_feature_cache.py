@@ -78,7 +78,8 @@ def step_times(target, cached, cfgs, examples, steps: int, warmup: int) -> dict:
         for mode, source in modes if step % 2 == 0 else modes[::-1]:
             gens = [step_generator(0, step, 0, 0) for _ in arms]
             t0 = time.perf_counter()
-            plans = [plan_batch(a.drafter, batch, a.cfg.drafter, g) for a, g in zip(arms, gens)]
+            plans = [plan_batch(a.drafter, batch, a.cfg.drafter, g, with_logits=not a.loss_cfg.chunk_size)
+                     for a, g in zip(arms, gens)]
             touts = shared_target_pass(source, batch, [a.drafter for a in arms], plans)
             t1 = time.perf_counter()
             for a, tout, plan, g in zip(arms, touts, plans, gens):

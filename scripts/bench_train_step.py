@@ -70,7 +70,7 @@ def main() -> None:
     for step, batch in enumerate(batches):
         for k, arm in (arms.items() if step % 2 == 0 else reversed(list(arms.items()))):
             g = step_generator(0, step, 0, 0)
-            plan = plan_batch(arm.drafter, batch, arm.cfg.drafter, g)
+            plan = plan_batch(arm.drafter, batch, arm.cfg.drafter, g, with_logits=not arm.loss_cfg.chunk_size)
             t0 = time.perf_counter()
             tout = shared_target_pass(target, batch, [arm.drafter], [plan])[0]
             t1 = time.perf_counter()

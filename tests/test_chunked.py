@@ -4,6 +4,7 @@ metrics and gradients of every drafter parameter; gradcheck of the autograd func
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -155,3 +156,18 @@ def test_chunk_size_is_checked():
         dataclasses.replace(LossConfig(), chunk_size=-1)
     with pytest.raises(ConfigError, match="chunk_size"):
         load_config(None, ["loss.chunk_size=abc"])
+
+
+def test_sampled_mode_refuses_a_generator_on_another_device(target):
+    from vatspec.chunked import chunked_pass
+
+    cfg = load_config(None, ["drafter.kind=dflash", "drafter.block_size=5", "drafter.num_anchors=4",
+                             "loss.verify=sampled"])
+    torch.manual_seed(0)
+    drafter = build_drafter(cfg.drafter, target)
+    batch = _batch()
+    plan = plan_batch(drafter, batch, cfg.drafter, None, with_logits=False)
+    out = drafter.training_forward(batch, shared_target_pass(target, batch, [drafter], [plan])[0], **plan.kwargs)
+    elsewhere = SimpleNamespace(device=torch.device("cuda", 0))  # all the check reads of a generator
+    with pytest.raises(ValueError, match="generator is on cuda:0"):
+        chunked_pass(out, cfg.loss, generator=elsewhere)

@@ -111,8 +111,10 @@ def test_sampled_verification_gets_a_generator_on_the_training_device(
 
     monkeypatch.setattr(T, "step_generator", gen_spy)
     monkeypatch.setattr(T, "simulate_verification", verify_spy)
+    # the unchunked path, whose simulate_verification the spy sees (the chunked path checks the
+    # generator in chunked_pass: tests/test_chunked.py)
     cfg = _cfg(tiny_target_dir, data_file, tmp_path / "r", f"drafter.kind={kind}", "loss.kind=vat",
-               "loss.verify=sampled", "train.steps=1")
+               "loss.verify=sampled", "train.steps=1", "loss.chunk_size=0")
     train(cfg, progress=False)
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     assert asked and all(d is not None and torch.device(d) == device for d in asked), asked

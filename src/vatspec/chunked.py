@@ -217,6 +217,11 @@ def chunked_pass(
     """
     if out.logits is not None or out.lm_head is None or out.target_index is None:
         raise ValueError("chunked_pass needs a DraftOutput made with with_logits=False (lm_head and target_index)")
+    if cfg.verify == "sampled" and generator is not None and generator.device.type != out.hidden.device.type:
+        raise ValueError(
+            f"chunked_pass: the generator is on {generator.device} but the drafter's states are on "
+            f"{out.hidden.device}; make it there (train.step_generator(..., device=...))"
+        )
     C = cfg.chunk_size
     valid = out.valid  # [..., k]
     lead, H = valid.shape, out.hidden.shape[-1]

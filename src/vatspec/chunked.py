@@ -260,22 +260,18 @@ def chunked_pass(
         chunk_size=C, softcap=out.softcap, on_chunk=on_chunk,
     )
 
-    # 3. back to [..., k]
-    def spread(x: Tensor | None, fill: Tensor) -> Tensor | None:
-        return None if x is None else fill.index_put((pos,), x).view(lead)
+    # 3. back to [..., k], 0 where the pass skipped a position
+    def spread(x: Tensor | None) -> Tensor | None:
+        return None if x is None else x.new_zeros(valid.numel()).index_put((pos,), x).view(lead)
 
-    zeros = torch.zeros(valid.numel(), dtype=soft.dtype if soft is not None else torch.float32, device=valid.device)
-    ce = (spread(soft, zeros), spread(hard, zeros if hard is None else zeros.to(hard.dtype)))
-    draft_argmax = spread(argmax, torch.zeros(valid.numel(), dtype=torch.long, device=valid.device))
+    ce = (spread(soft), spread(hard))
+    draft_argmax = spread(argmax)
     with torch.no_grad():
         if cfg.verify == "greedy":
             draft_token = draft_to_target(draft_argmax, d2t)
             stat = draft_token == target_argmax
         else:
-            stat = spread(stat, torch.zeros(valid.numel(), device=valid.device))
-            if cfg.verify == "sampled":
-                draft_token = spread(draft_token, torch.zeros(valid.numel(), dtype=torch.long, device=valid.device))
-            else:
-                draft_token = None
+            stat = spread(stat)
+            draft_token = spread(draft_token) if cfg.verify == "sampled" else None
     v = chain_verification(stat, valid, target_argmax, draft_token, mode=cfg.verify, generator=generator)
     return v, ce, draft_argmax

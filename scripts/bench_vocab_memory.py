@@ -1,16 +1,16 @@
 """Peak memory and step time of one training step at a large vocabulary: unchunked vs chunked lm_head + CE.
 
-Every variant runs in a fresh subprocess (peaks do not mix) and reports the peak resident memory of
-its training steps above what the process held before them (``ru_maxrss`` minus the RSS before the
-first step; torch has no CPU allocator statistics), and the median step time (target forward,
-drafter forward, verification, loss, backward, optimiser step: ``train.arm_step`` as the loop runs
-it). The target is a random Llama built in code: vocabulary 152k (Qwen3's), hidden 64, 8 layers;
-or ``--target PATH`` for a real one (then the data are random ids of its vocabulary too).
+Memory: every ``loss.chunk_size`` runs one step in a fresh subprocess (peaks do not mix); its peak is
+``ru_maxrss`` minus the RSS before the step (torch keeps no CPU allocator statistics). Time: one more
+subprocess runs every chunk size, alternating step by step after a warm-up step each, so a machine
+shared with other work slows them alike; the median of ``--steps`` steps (target forward, drafter
+forward, verification, loss, backward, optimiser step: ``train.arm_step`` as the loop runs it).
+The target is a random Llama built in code: vocabulary 152k (Qwen3's), hidden 64, 8 layers; or
+``--target PATH`` for a real one (then the data are random ids of its vocabulary too).
 
-    .venv/bin/python scripts/bench_vocab_memory.py                       # DFlash 512x16 and EAGLE-3 k=7 @ 2048
-    .venv/bin/python scripts/bench_vocab_memory.py --only dflash --anchors 256 --chunks 0 512
-    .venv/bin/python scripts/bench_vocab_memory.py --target ~/.cache/vatspec/targets/gemma-3-270m-it \\
-        --length 1024 --anchors 128
+    .venv/bin/python scripts/bench_vocab_memory.py --chunks 0 64 256 1024   # DFlash 512x16, EAGLE-3 k=7 @ 2048
+    .venv/bin/python scripts/bench_vocab_memory.py --target ~/.cache/vatspec/targets/gemma-3-270m \\
+        --length 1024 --anchors 128 --chunks 0 64 256                        # after scripts/gemma3_270m.py
 """
 
 from __future__ import annotations

@@ -171,3 +171,17 @@ def test_sampled_mode_refuses_a_generator_on_another_device(target):
     elsewhere = SimpleNamespace(device=torch.device("cuda", 0))  # all the check reads of a generator
     with pytest.raises(ValueError, match="generator is on cuda:0"):
         chunked_pass(out, cfg.loss, generator=elsewhere)
+
+
+def test_runs_under_bf16_autocast():
+    """Autocast casts a matmul's inputs to bf16, which a float32 out= buffer refuses: the chunked
+    product runs outside it, so its logits (and CE) are the float32 ones."""
+    hidden, weight, p, p_index, labels, gs, gh = _case(torch.float32)
+    ref_soft, ref_hard, _ = chunked_token_ce(hidden, weight, p, p_index, labels, chunk_size=4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        soft, hard, _ = chunked_token_ce(hidden, weight, p, p_index, labels, chunk_size=4)
+        loss = (soft * gs).sum() + (hard * gh).sum()
+    loss.backward()
+    assert hidden.grad is not None and weight.grad is not None
+    torch.testing.assert_close(soft, ref_soft, rtol=RTOL32, atol=0)
+    torch.testing.assert_close(hard, ref_hard, rtol=RTOL32, atol=0)

@@ -61,10 +61,22 @@ class _ChunkedHeadCE(torch.autograd.Function):
 
     With ``lse = logsumexp(x)`` and p summing to 1: ``soft = lse - p.x``, ``hard = lse - x[label]``;
     backward: ``dx = (gs + gh) exp(x - lse) - gs p - gh onehot`` (``losses._TokenCE``'s gradient).
+    Both run outside autocast: it would cast the matmuls' inputs to bf16, which the float32 buffers
+    refuse, so under bf16 autocast the chunked logits are those of the weight's own dtype.
     """
 
     @staticmethod
     def forward(ctx, hidden, weight, p, p_index, labels, chunk, softcap, on_chunk):
+        with torch.autocast(hidden.device.type, enabled=False):
+            return _ChunkedHeadCE._forward(ctx, hidden, weight, p, p_index, labels, chunk, softcap, on_chunk)
+
+    @staticmethod
+    def backward(ctx, g_soft, g_hard, _g_argmax):
+        with torch.autocast(ctx.saved_tensors[0].device.type, enabled=False):
+            return _ChunkedHeadCE._backward(ctx, g_soft, g_hard)
+
+    @staticmethod
+    def _forward(ctx, hidden, weight, p, p_index, labels, chunk, softcap, on_chunk):
         N = hidden.shape[0]
         dtype = torch.promote_types(weight.dtype, torch.float32)
         dev = hidden.device
@@ -98,7 +110,7 @@ class _ChunkedHeadCE(torch.autograd.Function):
         return soft, hard, argmax
 
     @staticmethod
-    def backward(ctx, g_soft, g_hard, _g_argmax):
+    def _backward(ctx, g_soft, g_hard):
         hidden, weight, p, p_index, labels, lse = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[:2]
         N, cap = hidden.shape[0], ctx.softcap

@@ -162,3 +162,17 @@ def test_weights_of_a_third_party_folder_without_record(exports, smol_tokenizer_
     report = check_draft(bare, smol_tokenizer_target)
     whats = {f.what for f in report.findings}
     assert report.ok and report.training is None and "layer ids vs training" not in whats and "embedding" in whats
+
+
+def test_a_served_learned_mask_row_is_named(smol_tokenizer_target, tmp_path):
+    from vatspec.drafters.dflash import DFlashConfig, DFlashDrafter
+    from vatspec.target import Target
+
+    t = smol_tokenizer_target
+    bare = Target(t.model, tokenizer=None)  # no tokenizer: no unused id known -> a learned MASK row
+    d = DFlashDrafter(DFlashConfig.from_target(bare, block_size=4))
+    d.attach_target(bare)
+    out = export_draft(d, t, tmp_path / "df", mask_token_id=7)
+    report = check_draft(out, t)
+    mask = next(f for f in report.findings if f.what == "mask token")
+    assert report.ok and "a learned row in mask_embedding.pt" in mask.detail

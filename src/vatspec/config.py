@@ -98,7 +98,8 @@ class TrainConfig:
     seed: int = 0
     log_every: int = 1
     eval_every: int = 0  # 0 = only at the end
-    save_every: int = 0  # 0 = only the final checkpoint
+    save_every: int | None = None  # checkpoint every N steps; None = a tenth of the run; 0 = only the final one
+    save_minutes: float = 30.0  # also checkpoint when this many minutes passed since the last; 0 = never
     keep_checkpoints: int = 2
 
 
@@ -199,7 +200,8 @@ RANGES: dict[str, tuple] = {
     "train.epochs": _at_least(1),
     "train.log_every": _at_least(1),
     "train.eval_every": _at_least(0),
-    "train.save_every": _at_least(0),
+    "train.save_every": _at_least(0, optional=True),
+    "train.save_minutes": _at_least(0),
     "train.keep_checkpoints": _at_least(0),
 }
 

@@ -136,7 +136,7 @@ def arm_configs(names: list[str], size: DemoSize, data_path: Path, runs_dir: Pat
         f"drafter.draft_vocab_size={size.draft_vocab}", f"drafter.ttt_steps={size.ttt_steps}",
         f"drafter.block_size={size.block_size}", f"drafter.num_anchors={size.anchors}",
         f"train.steps={size.steps}", f"train.seed={size.seed}", f"train.eval_every={size.eval_every}",
-        "train.keep_checkpoints=1",
+        "train.keep_checkpoints=1", "train.save_every=0", "train.save_minutes=0",  # a rerun starts afresh
     ]
     cfgs = []
     for name in names:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
 OWNER = ".vatspec-owner"
@@ -53,19 +53,18 @@ def owner(folder: str | os.PathLike) -> str | None:
         return None
 
 
-def check_folder(folder: str | os.PathLike, command: str | Iterable[str], what: str = "--out") -> None:
-    """``folder`` is absent, an empty folder, or one made by ``command`` (a name or several):
-    anything else is an ``OutputError`` naming it, raised before the command does any work."""
+def check_folder(folder: str | os.PathLike, command: str, what: str = "--out") -> None:
+    """``folder`` is absent, an empty folder, or one made by ``command``: anything else is an
+    ``OutputError`` naming it, raised before the command does any work."""
     folder = Path(folder)
-    commands = {command} if isinstance(command, str) else set(command)
     if folder.exists() and not folder.is_dir():
         raise OutputError(f"{what} {folder} exists and is not a folder")
     for parent in folder.parents:
         if parent.exists() and not parent.is_dir():
             raise OutputError(f"{what} {folder}: {parent} is a file, not a folder")
-    if folder.is_dir() and any(folder.iterdir()) and owner(folder) not in commands:
+    if folder.is_dir() and any(folder.iterdir()) and owner(folder) != command:
         made = owner(folder)
-        by = f"was made by vatspec {made}" if made else f"was not made by vatspec {sorted(commands)[0]} (no {OWNER})"
+        by = f"was made by vatspec {made}" if made else f"was not made by vatspec {command} (no {OWNER})"
         raise OutputError(f"{what} {folder} is not empty and {by}; choose another {what} or empty it yourself")
 
 
@@ -99,14 +98,15 @@ def check_file(path: str | os.PathLike, what: str = "--out") -> Path:
 def own_jsonl(path: str | os.PathLike, ours, what: str, *, tail_prefix: bytes | None = None) -> tuple[list, int]:
     """The records of ``path``, which must be an earlier output of the caller: every complete line a
     JSON object that ``ours(record)`` accepts. Returns ``(records, length)``, ``length`` the bytes of the
-    complete lines. A last line without its newline (an interrupted write) is allowed only when it starts
-    with ``tail_prefix`` (how the caller's records start); the caller may then cut it. Anything else is an
-    ``OutputError`` naming the file and line, raised before the file is touched."""
+    complete lines. A last line without its newline is allowed only when it looks like an interrupted
+    write of the caller's: it starts with ``tail_prefix`` (how the caller's records start) and is not
+    complete JSON; the caller may then cut it. Anything else is an ``OutputError`` naming the file and
+    line, raised before the file is touched."""
     path = Path(path)
     data = path.read_bytes()
     length = data.rfind(b"\n") + 1
     tail = data[length:]
-    if tail and not (tail_prefix is not None and tail.startswith(tail_prefix)):
+    if tail and not (tail_prefix is not None and tail.startswith(tail_prefix) and not _is_json(tail)):
         raise OutputError(f"{what} {path} ends in a line that is not one of vatspec's records; it is not this "
                           "command's output, so it is left as it is: choose another output file")
     records = []
@@ -121,3 +121,11 @@ def own_jsonl(path: str | os.PathLike, ours, what: str, *, tail_prefix: bytes | 
                               "output, so it is left as it is: choose another output file")
         records.append(rec)
     return records, length
+
+
+def _is_json(raw: bytes) -> bool:
+    try:
+        json.loads(raw.decode("utf-8"))
+    except ValueError:  # UnicodeDecodeError and JSONDecodeError both
+        return False
+    return True

@@ -103,6 +103,10 @@ def _notes(env):  # a user's file with a last line that has no newline: the firs
     (env.tmp / "notes.txt").write_text("my notes\nthe last line, no newline")
 
 
+def _complete_json_without_newline(env):  # a user's one-record file: complete, so no interrupted write
+    (env.tmp / "mine.jsonl").write_text('{"id": "x", "messages": [], "meta": {"finish": []}, "note": "mine"}')
+
+
 def _one_token(env):
     (env.tmp / "one.jsonl").write_text(jsonl(
         {"id": f"o{i}", "conversations": [{"from": "human", "value": f"Say {i}"}, {"from": "gpt", "value": ""}]}
@@ -181,6 +185,9 @@ CASES = [
     # data loss
     Case("regenerate --out an unrelated file", lambda e: ["regenerate", e.data, "--out", e.tmp / "notes.txt",
                                                           "--target", e.target], 2, lambda e: ["notes.txt"], _notes),
+    Case("regenerate --out a file whose last line is complete JSON", lambda e: [
+        "regenerate", e.data, "--out", e.tmp / "mine.jsonl", "--target", e.target], 2, lambda e: ["mine.jsonl"],
+        _complete_json_without_newline),
     Case("regenerate --out the input", lambda e: ["regenerate", e.data, "--out", e.data, "--target", e.target], 2,
          lambda e: ["train.jsonl", "is the input"]),
     Case("export RUN --out RUN --force", lambda e: ["export", e.run(), "--out", e.run(), "--force"], 2,
@@ -229,6 +236,8 @@ CASES = [
     Case("eagle3 with loss=dflash", lambda e: e.train("drafter=eagle3", "loss=dflash"), 2,
          lambda e: ["drafter.kind=eagle3 with loss.kind=dflash"]),
     Case("target.dtype=fp8", lambda e: e.train("target.dtype=fp8"), 2, lambda e: ["target.dtype"]),
+    Case("target.dtype=fp16 trains", lambda e: e.train("target.dtype=fp16", "train.steps=1"), 0,
+         lambda e: ["held-out: tau_sim="]),
     Case("target.device=cuda without a GPU", lambda e: e.train("target.device=cuda"), 2,
          lambda e: ["target.device", "no CUDA device"], gpu=True),
     Case("a target folder without weights", lambda e: [*e.train(), f"target.path={e.tmp / 'noweights'}"], 2,

@@ -163,7 +163,7 @@ def load_trainer_state(ckpt: Path, *, trust_pickle: bool = False) -> dict:
         try:
             tree = json.loads(meta.read_text(encoding="utf-8"))
             return _decode(tree, load_file(tensors) if tensors.is_file() else {}, str(meta))
-        except (OSError, ValueError, SafetensorError, KeyError) as e:
+        except (OSError, ValueError, SafetensorError, KeyError, TypeError) as e:
             raise CheckpointError(f"{meta}: unreadable trainer state ({e}); cannot resume from {ckpt}") from e
     if legacy.is_file():
         if not trust_pickle:

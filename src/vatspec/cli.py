@@ -42,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Verification-Aware Training (VAT) for EAGLE-3 and DFlash drafters: data, training, "
         "speculative decoding evaluation and export. `vatspec COMMAND --help` for each command.",
     )
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error instead of one line")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, help_ in COMMANDS.items():
         sub.add_parser(name, help=help_, add_help=False)
@@ -50,8 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    debug = "--debug" in argv[:1]
-    argv = argv[debug:]
+    debug = argv[:1] == ["--debug"]  # `vatspec --debug CMD ...`; `vatspec CMD ... --debug` is the command's flag
+    if debug:
+        argv = argv[1:]
     parser = build_parser()
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         if argv and argv[0] not in ("-h", "--help"):

@@ -19,7 +19,7 @@ from vatspec.checkpoint import CheckpointError
 from vatspec.commands import DTYPE_METAVAR, dtype_arg, float_arg, int_arg, report
 from vatspec.data import DataError
 from vatspec.drafts import open_draft
-from vatspec.outputs import OutputError, check_apart, check_folder, claim_folder
+from vatspec.outputs import OutputError, check_apart, check_folder, claim_folder, mark_folder
 from vatspec.target import TargetError, open_target
 
 
@@ -72,6 +72,8 @@ def _run(args: argparse.Namespace) -> int:
     inputs.update({f"--prompts {f}": f for f in args.prompts})
     inputs.update({"--calibration": args.calibration, "--target": args.target if Path(args.target).exists() else None})
     check_apart(args.out, inputs, "--out")
+    if _earlier_report(Path(args.out)):
+        mark_folder(args.out, "eval")
     check_folder(args.out, "eval", "--out")
     target = open_target(args.target, device=args.device, dtype=args.dtype)
     methods = {}
@@ -108,6 +110,13 @@ def _run(args: argparse.Namespace) -> int:
     print(paths["markdown"].read_text())
     print("wrote " + ", ".join(str(p) for p in paths.values()))
     return 0
+
+
+def _earlier_report(out: Path) -> bool:
+    """A report folder of an eval from before owner files: results.json, results.md and plots, nothing else."""
+    names = {p.name for p in out.iterdir()} if out.is_dir() else set()
+    return {"results.json", "results.md"} <= names and all(n.startswith("results.") or n.endswith(".png")
+                                                            for n in names)
 
 
 def _k_arg(text: str) -> int | str:

@@ -256,6 +256,8 @@ CASES = [
                                                  "0"], 2, lambda e: ["--batch-size"]),
     Case("regenerate --max-new-tokens 0", lambda e: ["regenerate", e.data, "--out", e.tmp / "o.jsonl",
                                                      "--max-new-tokens", "0"], 2, lambda e: ["--max-new-tokens"]),
+    Case("benchmarks --show nosuch", lambda e: ["benchmarks", "--show", "nosuch"], 2, lambda e: ["nosuch"]),
+    Case("benchmarks -n 0", lambda e: ["benchmarks", "--show", "gsm8k", "-n", "0"], 2, lambda e: ["-n", ">= 1"]),
     Case("eval --max-new-tokens 0", lambda e: ["eval", "--max-new-tokens", "0"], 2, lambda e: ["--max-new-tokens"]),
     # misleading
     Case("the held-out split over data.max_length", lambda e: e.train("train.steps=1"), 2,

@@ -134,6 +134,16 @@ def test_cli_verdict_and_exit_status(exports, smol_tokenizer_target, tmp_path, c
     assert "FAIL  embedding" in out and "verdict: FAIL (embedding)" in out
     assert main(["check", str(tmp_path), "--target", t.path]) == 2  # no config.json
     assert "no config.json" in capsys.readouterr().err
+    # --json: never into the checked folder, never over a file that is not an earlier report
+    assert main(["check", str(exports["spec"]), "--target", t.path, "--no-measure",
+                 "--json", str(exports["spec"] / "r.json")]) == 2
+    assert "is inside the input FOLDER" in capsys.readouterr().err and not (exports["spec"] / "r.json").exists()
+    (tmp_path / "notes.json").write_text('{"mine": 1}')
+    assert main(["check", str(exports["spec"]), "--target", t.path, "--no-measure",
+                 "--json", str(tmp_path / "notes.json")]) == 2
+    assert (tmp_path / "notes.json").read_text() == '{"mine": 1}'
+    assert main(["check", str(exports["spec"]), "--target", t.path, "--no-measure",
+                 "--json", str(tmp_path / "r.json")]) == 0  # an earlier report is replaced
 
 
 @pytest.mark.slow

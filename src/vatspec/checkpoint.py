@@ -55,8 +55,11 @@ def save_checkpoint(
     trainer_state: dict | None = None,
     keep: int = 0,
     name: str | None = None,
+    drafter_state: dict | None = None,
+    head_state: dict | None = None,
 ) -> Path:
-    """Write one checkpoint atomically and point ``RUN/latest`` at it; keep the newest ``keep``."""
+    """Write one checkpoint atomically and point ``RUN/latest`` at it; keep the newest ``keep``.
+    ``drafter_state`` / ``head_state`` replace the modules' own state dicts (sharded training gathers them)."""
     run_dir = Path(run_dir)
     root = run_dir / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
@@ -65,13 +68,13 @@ def save_checkpoint(
     final = root / (name or f"step-{step:06d}")
     tmp = final.with_name(final.name + f".tmp-{os.getpid()}")
     tmp.mkdir()
-    state = {k: v.detach().cpu().contiguous() for k, v in drafter.state_dict().items()}
+    state = {k: v.detach().cpu().contiguous() for k, v in (drafter_state or drafter.state_dict()).items()}
     save_file(state, tmp / "drafter.safetensors")
     (tmp / "drafter.json").write_text(
         json.dumps({"kind": drafter.kind, "config": drafter.config.to_dict()}, indent=2)
     )
     if head is not None:
-        hs = {k: v.detach().cpu().contiguous() for k, v in head.state_dict().items()}
+        hs = {k: v.detach().cpu().contiguous() for k, v in (head_state or head.state_dict()).items()}
         save_file(hs, tmp / "head.safetensors")
     (tmp / "config.yaml").write_text(config_yaml)
     if trainer_state is not None:

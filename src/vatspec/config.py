@@ -19,7 +19,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
@@ -101,6 +101,12 @@ class TrainConfig:
     save_every: int | None = None  # checkpoint every N steps; None = a tenth of the run; 0 = only the final one
     save_minutes: float = 30.0  # also checkpoint when this many minutes passed since the last; 0 = never
     keep_checkpoints: int = 2
+    # bf16: the forward passes and the loss under bfloat16 autocast; weights, gradients and optimizer
+    # state stay float32 (set target.dtype=bfloat16 too for a bf16 target)
+    precision: Literal["fp32", "bf16"] = "fp32"
+    # under torchrun: ddp replicates the drafter on every rank; fsdp shards its parameters, gradients
+    # and optimizer state across ranks (FSDP2 fully_shard). Checkpoints of either resume in either.
+    parallel: Literal["ddp", "fsdp"] = "ddp"
 
 
 @dataclass(frozen=True)

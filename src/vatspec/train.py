@@ -138,10 +138,19 @@ def arm_step(model, drafter, batch, tout, plan, loss_cfg, generator) -> StepResu
 def arms_micro_step(arms, target, batch, generators) -> Iterator[StepResult]:
     """One micro-batch for every arm: plans, one shared target pass, then each arm's step.
     A generator, so the caller's backward frees one arm's graph before the next arm runs."""
-    plans = [plan_batch(a.drafter, batch, a.cfg.drafter, g) for a, g in zip(arms, generators)]
-    touts = shared_target_pass(target, batch, [a.drafter for a in arms], plans)
+    autocast = precision_context(batch.input_ids.device, arms[0].cfg.train.precision)
+    with autocast:
+        plans = [plan_batch(a.drafter, batch, a.cfg.drafter, g) for a, g in zip(arms, generators)]
+        touts = shared_target_pass(target, batch, [a.drafter for a in arms], plans)
     for a, t, p, g in zip(arms, touts, plans, generators):
-        yield arm_step(a.model, a.drafter, batch, t, p, a.loss_cfg, g)
+        with autocast:  # the forward and the loss; the caller's backward runs outside it
+            res = arm_step(a.model, a.drafter, batch, t, p, a.loss_cfg, g)
+        yield res
+
+
+def precision_context(device: torch.device, precision: str):
+    """bfloat16 autocast for ``train.precision=bf16`` (float32 master weights and optimizer state), else a no-op."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
 
 
 @dataclass
@@ -150,7 +159,7 @@ class Arm:
 
     cfg: Config
     module: TrainModule
-    model: nn.Module  # module, or DDP(module)
+    model: nn.Module  # module, DDP(module), or module itself sharded by fully_shard (fsdp)
     loss_cfg: object
     optim_cfg: OptimConfig
     opt: torch.optim.Optimizer
@@ -158,6 +167,7 @@ class Arm:
     params: list
     run_dir: Path
     config_yaml: str
+    fsdp: bool = False  # parameters are sharded DTensors: full state dicts are gathered collectively
 
     @property
     def drafter(self):
@@ -205,7 +215,8 @@ def _all_reduce_mean(values: dict, world: int) -> dict:
 
 # ----------------------------------------------------------------------------- the run
 SHARED_SECTIONS = ("target", "data")
-SHARED_TRAIN_FIELDS = ("steps", "epochs", "seed", "eval_every", "save_every", "save_minutes", "log_every")
+SHARED_TRAIN_FIELDS = ("steps", "epochs", "seed", "eval_every", "save_every", "save_minutes", "log_every", "precision",
+                       "parallel")
 SAVES_PER_RUN = 10  # train.save_every unset: a checkpoint every total // 10 steps
 
 
@@ -398,7 +409,8 @@ def train_arms(cfgs: list[Config], *, resume: bool = False, init_from: str | Non
         last = step == total
         grad_norms = []
         for arm in arms:
-            grad_norms.append(float(torch.nn.utils.clip_grad_norm_(arm.params, arm.optim_cfg.grad_clip)))
+            norm = torch.nn.utils.clip_grad_norm_(arm.params, arm.optim_cfg.grad_clip)
+            grad_norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))  # fsdp: a DTensor
             arm.opt.step()
             arm.sched.step()
         do_eval = last or (base.train.eval_every and step % base.train.eval_every == 0)
@@ -429,15 +441,22 @@ def train_arms(cfgs: list[Config], *, resume: bool = False, init_from: str | Non
         # periodic checkpoints: every save_every steps, and when save_minutes passed since the last
         # (rank 0 decides by its clock; only rank 0 writes)
         minutes = base.train.save_minutes and time.monotonic() - t_saved >= 60 * base.train.save_minutes
-        if is_main and (last or (save_every and step % save_every == 0) or minutes):
+        due = bool(last or (save_every and step % save_every == 0) or minutes)
+        if world > 1:  # rank 0's clock decides; under fsdp every rank takes part in gathering the state
+            flag = torch.tensor([float(due)])
+            dist.broadcast(flag, 0)
+            due = bool(flag.item())
+        if due:
             for arm, record in zip(arms, records):
-                ckpt_io.save_checkpoint(
-                    arm.run_dir, step, drafter=arm.drafter, head=arm.module.head, config_yaml=arm.config_yaml,
-                    keep=arm.cfg.train.keep_checkpoints,
-                    trainer_state={"optimizer": arm.opt.state_dict(), "scheduler": arm.sched.state_dict(),
-                                   "data": batches.state_dict(), "rng": _get_rng(), "metrics": record,
-                                   "total": total},
-                )
+                drafter_state, head_state, optim_state = _full_states(arm)
+                if is_main:
+                    ckpt_io.save_checkpoint(
+                        arm.run_dir, step, drafter=arm.drafter, head=arm.module.head, config_yaml=arm.config_yaml,
+                        keep=arm.cfg.train.keep_checkpoints, drafter_state=drafter_state, head_state=head_state,
+                        trainer_state={"optimizer": optim_state, "scheduler": arm.sched.state_dict(),
+                                       "data": batches.state_dict(), "rng": _get_rng(), "metrics": record,
+                                       "total": total},
+                    )
             t_saved = time.monotonic()
         if world > 1:
             dist.barrier()
@@ -480,13 +499,25 @@ def _build_arm(cfg: Config, target, counts, total: int, world: int, device, init
     loss_cfg = cfg.loss  # resolved with the config (config.resolve_loss)
     head = AcceptHead(drafter.hidden_size).to(device) if loss_cfg.head else None
     module = TrainModule(drafter, head)
-    model = nn.parallel.DistributedDataParallel(module) if world > 1 else module
-    params = [p for p in module.parameters() if p.requires_grad]
+    fsdp = world > 1 and cfg.train.parallel == "fsdp"
+    if fsdp:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        # the root only, kept unsharded from forward to backward: the loss may read parameters the
+        # forward returned (the chunked lm_head), and a one- or few-layer drafter gains nothing from
+        # per-layer resharding
+        fully_shard(module, mesh=init_device_mesh(device.type, (world,)), reshard_after_forward=False)
+        model = module
+    else:
+        model = nn.parallel.DistributedDataParallel(module) if world > 1 else module
+    params = [p for p in module.parameters() if p.requires_grad]  # fsdp: the sharded parameters
     opt = torch.optim.AdamW(params, lr=optim_cfg.lr, betas=optim_cfg.betas, weight_decay=optim_cfg.weight_decay)
     warmup = int(round(optim_cfg.warmup_ratio * total))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total, warmup, optim_cfg.min_lr_ratio))
     config_yaml = dump_config(replace(cfg, optim=optim_cfg))
-    return Arm(cfg, module, model, loss_cfg, optim_cfg, opt, sched, params, Path(cfg.train.out_dir), config_yaml)
+    return Arm(cfg, module, model, loss_cfg, optim_cfg, opt, sched, params, Path(cfg.train.out_dir), config_yaml,
+               fsdp=fsdp)
 
 
 def _check_init_from(drafter, cfg: Config, init_from: str) -> None:
@@ -501,13 +532,57 @@ def _check_init_from(drafter, cfg: Config, init_from: str) -> None:
 
 def _restore_arm(arm: Arm, state: dict) -> None:
     ck = state["checkpoint"]
-    arm.module.drafter.load_state_dict(_load_tensors(ck / "drafter.safetensors"))
+    full = {f"drafter.{k}": v for k, v in _load_tensors(ck / "drafter.safetensors").items()}
     if arm.module.head is not None:
         if not (ck / "head.safetensors").is_file():
             raise TrainError(f"{ck}: no head.safetensors, but loss.head is on")
-        arm.module.head.load_state_dict(_load_tensors(ck / "head.safetensors"))
-    arm.opt.load_state_dict(state["optimizer"])
+        full |= {f"head.{k}": v for k, v in _load_tensors(ck / "head.safetensors").items()}
+    osd = state["optimizer"]
+    by_name = bool(osd["param_groups"]) and all(isinstance(i, str) for g in osd["param_groups"] for i in g["params"])
+    if arm.fsdp or by_name:  # an fsdp run, or a checkpoint one wrote: named, full state dicts
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        opts = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(arm.module, full, options=opts)
+        set_optimizer_state_dict(arm.module, arm.opt, osd if by_name else _named_optim_state(arm, osd), options=opts)
+    else:
+        arm.module.drafter.load_state_dict({k[8:]: v for k, v in full.items() if k.startswith("drafter.")})
+        if arm.module.head is not None:
+            arm.module.head.load_state_dict({k[5:]: v for k, v in full.items() if k.startswith("head.")})
+        arm.opt.load_state_dict(osd)
     arm.sched.load_state_dict(state["scheduler"])
+
+
+def _full_states(arm: Arm) -> tuple[dict | None, dict | None, dict]:
+    """(drafter, head, optimizer) state dicts to save. fsdp: gathered whole from every rank's shards
+    (collective; rank 0 gets the tensors, on the CPU) with the optimizer keyed by parameter name;
+    else None, None (the modules' own) and the optimizer's own state dict."""
+    if not arm.fsdp:
+        return None, None, arm.opt.state_dict()
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    full = get_model_state_dict(arm.module, options=opts)
+    optim = get_optimizer_state_dict(arm.module, arm.opt, options=opts)
+    drafter = {k[8:]: v for k, v in full.items() if k.startswith("drafter.")}
+    head = {k[5:]: v for k, v in full.items() if k.startswith("head.")} or None
+    return drafter, head, optim
+
+
+def _named_optim_state(arm: Arm, osd: dict) -> dict:
+    """An optimizer state dict keyed by position (``opt.state_dict()``, ddp or one process) -> keyed by
+    parameter name, the form ``set_optimizer_state_dict`` reads (positions follow ``arm.params``)."""
+    names = [n for n, p in arm.module.named_parameters() if p.requires_grad]
+    return {"state": {names[int(i)]: v for i, v in osd["state"].items()},
+            "param_groups": [{**g, "params": [names[int(i)] for i in g["params"]]} for g in osd["param_groups"]]}
 
 
 def _cut_metrics(path: Path, step: int) -> None:

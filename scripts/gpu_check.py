@@ -7,7 +7,7 @@ For each target built in code with random weights (a Llama-3-8B-shaped one, voca
 Qwen3-8B-shaped one, vocab 151936; bf16 on the GPU), it trains EAGLE-3 and DFlash, each with its
 baseline loss and with VAT, for ``--steps`` steps through the training step the trainer runs
 (``vatspec.train.arm_step`` after one shared target pass), with bf16 autocast and float32 weights
-and optimizer state. Per arm it prints step time, tokens/s and peak GPU memory, and the VAT /
+and optimizer state (``train.precision=bf16``). Per arm it prints step time, tokens/s and peak GPU memory, and the VAT /
 baseline step-time ratio per drafter. Then it decodes a few random prompts greedily with each
 trained draft and checks the output equals Hugging Face ``generate`` on the same target. One JSON
 holds everything.
@@ -30,7 +30,7 @@ from vatspec.data.batching import Batch
 from vatspec.decode import generate
 from vatspec.drafters import build_drafter, plan_batch
 from vatspec.target import Target
-from vatspec.train import TrainModule, arm_step, shared_target_pass, step_generator
+from vatspec.train import TrainModule, arm_step, precision_context, shared_target_pass, step_generator
 
 # (name, transformers config class, fields): the published 8B geometries; weights are random
 TARGETS = {
@@ -89,7 +89,7 @@ def train_arm(target: Target, kind: str, loss: str, args, device: torch.device) 
     opt = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=1e-4)
     B, T = args.batch_size, args.seq_len
     g = torch.Generator().manual_seed(0)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.precision == "bf16")
+    autocast = precision_context(device, args.precision)  # what train.precision=bf16 runs
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     times, losses = [], []

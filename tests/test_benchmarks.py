@@ -31,7 +31,7 @@ def test_benchmark_counts():
     assert load_benchmark("gsm8k")[0].meta["answer"] == "18"
     assert load_benchmark("humaneval")[0].id == "HumanEval/0"
     assert (BENCH_DIR / "SOURCES.md").is_file()
-    with pytest.raises(KeyError, match="unknown benchmark"):
+    with pytest.raises(DataError, match="unknown benchmark"):
         load_benchmark("nope")
 
 
@@ -123,5 +123,5 @@ def test_prepare_data_with_answers_keeps_the_original_replies(tmp_path, capsys):
         assert roles[0] == "user" and roles.count("user") == 1 and "assistant" in roles
         assert all(" ".join(p.lower().split()) not in bench for p in c.prompts())
     # the alpaca rows have no answers: one clear line
-    assert cli.main(["prepare-data", "--n", "5", "--answers", "--sources", "alpaca", "--out", str(tmp_path / "a")]) == 1
-    assert "carry no answers" in capsys.readouterr().out and not (tmp_path / "a").exists()
+    assert cli.main(["prepare-data", "--n", "5", "--answers", "--sources", "alpaca", "--out", str(tmp_path / "a")]) == 2
+    assert "carry no answers" in capsys.readouterr().err and not (tmp_path / "a").exists()

@@ -134,6 +134,16 @@ def test_cli_verdict_and_exit_status(exports, smol_tokenizer_target, tmp_path, c
     assert "FAIL  embedding" in out and "verdict: FAIL (embedding)" in out
     assert main(["check", str(tmp_path), "--target", t.path]) == 2  # no config.json
     assert "no config.json" in capsys.readouterr().err
+    # --json: never into the checked folder, never over a file that is not an earlier report
+    assert main(["check", str(exports["spec"]), "--target", t.path, "--no-measure",
+                 "--json", str(exports["spec"] / "r.json")]) == 2
+    assert "is inside the input FOLDER" in capsys.readouterr().err and not (exports["spec"] / "r.json").exists()
+    (tmp_path / "notes.json").write_text('{"mine": 1}')
+    assert main(["check", str(exports["spec"]), "--target", t.path, "--no-measure",
+                 "--json", str(tmp_path / "notes.json")]) == 2
+    assert (tmp_path / "notes.json").read_text() == '{"mine": 1}'
+    assert main(["check", str(exports["spec"]), "--target", t.path, "--no-measure",
+                 "--json", str(tmp_path / "r.json")]) == 0  # an earlier report is replaced
 
 
 @pytest.mark.slow
@@ -162,3 +172,17 @@ def test_weights_of_a_third_party_folder_without_record(exports, smol_tokenizer_
     report = check_draft(bare, smol_tokenizer_target)
     whats = {f.what for f in report.findings}
     assert report.ok and report.training is None and "layer ids vs training" not in whats and "embedding" in whats
+
+
+def test_a_served_learned_mask_row_is_named(smol_tokenizer_target, tmp_path):
+    from vatspec.drafters.dflash import DFlashConfig, DFlashDrafter
+    from vatspec.target import Target
+
+    t = smol_tokenizer_target
+    bare = Target(t.model, tokenizer=None)  # no tokenizer: no unused id known -> a learned MASK row
+    d = DFlashDrafter(DFlashConfig.from_target(bare, block_size=4))
+    d.attach_target(bare)
+    out = export_draft(d, t, tmp_path / "df", mask_token_id=7)
+    report = check_draft(out, t)
+    mask = next(f for f in report.findings if f.what == "mask token")
+    assert report.ok and "a learned row in mask_embedding.pt" in mask.detail

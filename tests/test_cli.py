@@ -73,7 +73,7 @@ def test_export_takes_k_and_its_speculators_name():
 
 def test_demo_refuses_a_foreign_folder_in_one_line(tmp_path, capsys):
     (tmp_path / "keep.txt").write_text("mine")
-    assert main(["demo", "--quick", "--out", str(tmp_path)]) == 1
+    assert main(["demo", "--quick", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("vatspec demo: ") and "not made by vatspec demo" in err and "Traceback" not in err
+    assert err.startswith("vatspec demo: error: ") and "not made by vatspec demo" in err and "Traceback" not in err
     assert (tmp_path / "keep.txt").read_text() == "mine"

@@ -310,3 +310,84 @@ def test_cli_takes_dtype_aliases_and_saves_a_loadable_config(tiny_target_dir, da
     want = load_config(None, [*args, "target.dtype=float32", f"train.out_dir={tmp_path / 'r'}"])
     assert saved.target.dtype == "float32" and saved.loss == want.loss and saved.loss.gamma == 2.0  # block 4 -> 2
     assert saved.drafter == want.drafter and saved.data == want.data
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+def test_bf16_autocast_losses_track_float32(tiny_target_dir, data_file, tmp_path, kind):
+    """train.precision=bf16: the forward and loss under bfloat16 autocast (CPU autocast here), weights
+    and optimizer state float32. The losses follow the float32 run's within bf16 rounding, and the
+    saved weights stay float32."""
+    from safetensors.torch import load_file
+
+    runs = {}
+    for precision in ("fp32", "bf16"):
+        runs[precision] = tmp_path / precision
+        train(_cfg(tiny_target_dir, data_file, runs[precision], f"drafter.kind={kind}", "loss.kind=vat",
+                   f"train.precision={precision}", "drafter.mask_token_id=16"), progress=False)
+    a, b = _losses(runs["fp32"]), _losses(runs["bf16"])
+    assert len(a) == len(b) == 4 and a != b  # autocast did run in bfloat16
+    assert b == pytest.approx(a, rel=0.03)  # bf16 keeps 8 bits of mantissa: ~0.4% per op
+    ckpt = runs["bf16"] / "checkpoints" / (runs["bf16"] / "latest").read_text().strip()
+    assert {t.dtype for t in load_file(ckpt / "drafter.safetensors").values() if t.is_floating_point()} == \
+        {torch.float32}
+
+
+# reduce-scatter and all-reduce sum the two ranks' gradients in other orders (~1e-7); Adam divides by
+# sqrt(v), so after 4 steps at lr 1e-2 (updates ~4e-2) the weights differ by up to ~3e-5
+WEIGHT_ATOL = 1e-4
+FSDP_SCRIPT = (
+    "import sys, torch, torch.distributed as dist\n"
+    "from vatspec.config import load_config\n"
+    "import vatspec.train as T\n"
+    "resume = sys.argv[1] == 'resume'\n"
+    "cfg = load_config(None, sys.argv[2:])\n"
+    "T.train(cfg, progress=False, resume=resume)\n"
+)
+
+
+def _torchrun(script: Path, *args: str) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29541",
+                           str(script), *args], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def _final_weights(run: Path) -> dict:
+    from safetensors.torch import load_file
+
+    ckpt = run / "checkpoints" / (run / "latest").read_text().strip()
+    return {**load_file(ckpt / "drafter.safetensors"), **{f"head.{k}": v for k, v in
+                                                          load_file(ckpt / "head.safetensors").items()}}
+
+
+@pytest.mark.slow
+def test_fsdp_two_cpu_processes_train_as_ddp_and_resume_across_the_switch(tiny_target_dir, data_file, tmp_path):
+    """train.parallel=fsdp (FSDP2 fully_shard, gloo on CPU) computes what DDP computes: same losses and
+    final weights within float tolerance; a run checkpointed under fsdp resumes under ddp (and the
+    reverse) and ends where the uninterrupted run ends."""
+    script = tmp_path / "run.py"
+    script.write_text(FSDP_SCRIPT)
+    common = [f"target.path={tiny_target_dir}", f"data.train={data_file}", "data.batch_size=2", "data.max_length=64",
+              "drafter.draft_vocab_size=256", "drafter.ttt_steps=3", "train.steps=4", "optim.lr=1e-2",
+              "loss.kind=vat", "train.save_every=2"]
+    runs = {}
+    for mode in ("ddp", "fsdp"):
+        runs[mode] = tmp_path / mode
+        _torchrun(script, "fresh", *common, f"train.out_dir={runs[mode]}", f"train.parallel={mode}")
+    assert _losses(runs["fsdp"]) == pytest.approx(_losses(runs["ddp"]), rel=1e-5)
+    wd, wf = _final_weights(runs["ddp"]), _final_weights(runs["fsdp"])
+    assert wd.keys() == wf.keys() and all(torch.allclose(wd[k], wf[k], atol=WEIGHT_ATOL) for k in wd)
+    # the switch: steps 1-2 in one mode, 3-4 resumed in the other
+    for first, second in (("fsdp", "ddp"), ("ddp", "fsdp")):
+        run = tmp_path / f"{first}-{second}"
+        _torchrun(script, "fresh", *common, f"train.out_dir={run}", f"train.parallel={first}", "train.steps=4",
+                  "train.save_every=2")
+        # cut back to step 2 as a kill would leave it, then resume in the other mode
+        import shutil
+
+        shutil.rmtree(run / "checkpoints" / "step-000004")
+        (run / "latest").write_text("step-000002\n")
+        _torchrun(script, "resume", *common, f"train.out_dir={run}", f"train.parallel={second}")
+        w = _final_weights(run)
+        assert all(torch.allclose(w[k], wd[k], atol=WEIGHT_ATOL) for k in wd), (first, second)
+        assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]

@@ -6,7 +6,14 @@ Layout of one checkpoint folder (``RUN/checkpoints/step-000100``)::
     drafter.json          {"kind": ..., "config": {...}} to rebuild the drafter class
     head.safetensors      the accept head, when trained (never part of a served draft)
     config.yaml           the resolved run config
-    trainer.pt            optimizer, scheduler, RNG states, data position, step, metrics
+    trainer.safetensors   the trainer state's tensors (optimizer moments, RNG states)
+    trainer.json          the rest of the trainer state (step, scheduler, data position, metrics), with
+                          each tensor replaced by its key in trainer.safetensors
+
+Nothing in a checkpoint is unpickled: a run folder received from someone else runs no code when
+it is resumed. A checkpoint of an older version holds a pickled ``trainer.pt`` instead; it is
+refused unless the caller says it trusts the folder (``trust_pickle``), and even then it is read
+with torch's restricted ``weights_only`` unpickler.
 
 A checkpoint is first written to ``step-XXXXXX.tmp-PID`` and renamed when complete; ``RUN/latest``
 (replaced atomically) names the newest one. A killed run leaves at worst a ``.tmp-*`` folder,
@@ -20,6 +27,7 @@ import os
 import shutil
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
@@ -47,8 +55,11 @@ def save_checkpoint(
     trainer_state: dict | None = None,
     keep: int = 0,
     name: str | None = None,
+    drafter_state: dict | None = None,
+    head_state: dict | None = None,
 ) -> Path:
-    """Write one checkpoint atomically and point ``RUN/latest`` at it; keep the newest ``keep``."""
+    """Write one checkpoint atomically and point ``RUN/latest`` at it; keep the newest ``keep``.
+    ``drafter_state`` / ``head_state`` replace the modules' own state dicts (sharded training gathers them)."""
     run_dir = Path(run_dir)
     root = run_dir / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
@@ -57,17 +68,20 @@ def save_checkpoint(
     final = root / (name or f"step-{step:06d}")
     tmp = final.with_name(final.name + f".tmp-{os.getpid()}")
     tmp.mkdir()
-    state = {k: v.detach().cpu().contiguous() for k, v in drafter.state_dict().items()}
+    state = {k: v.detach().cpu().contiguous() for k, v in (drafter_state or drafter.state_dict()).items()}
     save_file(state, tmp / "drafter.safetensors")
     (tmp / "drafter.json").write_text(
         json.dumps({"kind": drafter.kind, "config": drafter.config.to_dict()}, indent=2)
     )
     if head is not None:
-        hs = {k: v.detach().cpu().contiguous() for k, v in head.state_dict().items()}
+        hs = {k: v.detach().cpu().contiguous() for k, v in (head_state or head.state_dict()).items()}
         save_file(hs, tmp / "head.safetensors")
     (tmp / "config.yaml").write_text(config_yaml)
     if trainer_state is not None:
-        torch.save({"step": step, **trainer_state}, tmp / "trainer.pt")
+        tensors: dict[str, torch.Tensor] = {}
+        tree = _encode({"step": step, **trainer_state}, tensors, "")
+        save_file(tensors, tmp / "trainer.safetensors")
+        (tmp / "trainer.json").write_text(json.dumps(tree))
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -140,8 +154,80 @@ def saved_config(path: str | Path):
         raise CheckpointError(str(e)) from e
 
 
-def load_trainer_state(ckpt: Path) -> dict:
-    path = ckpt / "trainer.pt"
-    if not path.is_file():
-        raise CheckpointError(f"{path} is missing: cannot resume from {ckpt}")
-    return torch.load(path, map_location="cpu", weights_only=False)
+def load_trainer_state(ckpt: Path, *, trust_pickle: bool = False) -> dict:
+    """The trainer state saved in checkpoint ``ckpt`` (``trainer.json`` + ``trainer.safetensors``).
+
+    An older checkpoint's pickled ``trainer.pt`` is a ``CheckpointError`` unless ``trust_pickle``;
+    then it is read by torch's ``weights_only`` unpickler (tensors, containers and numpy's RNG
+    arrays only: no code from the file runs)."""
+    meta, tensors = ckpt / "trainer.json", ckpt / "trainer.safetensors"
+    legacy = ckpt / "trainer.pt"
+    if meta.is_file():
+        try:
+            tree = json.loads(meta.read_text(encoding="utf-8"))
+            return _decode(tree, load_file(tensors) if tensors.is_file() else {}, str(meta))
+        except (OSError, ValueError, SafetensorError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{meta}: unreadable trainer state ({e}); cannot resume from {ckpt}") from e
+    if legacy.is_file():
+        if not trust_pickle:
+            raise CheckpointError(f"{legacy}: a pickled trainer state (written by an older vatspec); unpickling "
+                                  "can run code from the file, so it is not read. If you trust this folder, "
+                                  "resume with --trust-pickle")
+        return _load_legacy(legacy)
+    raise CheckpointError(f"{meta} is missing: cannot resume from {ckpt}")
+
+
+def _load_legacy(path: Path) -> dict:
+    # numpy's RNG state is the only non-torch object a trainer.pt held
+    core = np._core if hasattr(np, "_core") else np.core  # numpy 2 renamed it
+    allowed = [np.ndarray, np.dtype, type(np.dtype(np.uint32)), core.multiarray._reconstruct]
+    try:
+        with torch.serialization.safe_globals(allowed):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # the restricted unpickler refused it, or the file is damaged
+        raise CheckpointError(f"{path}: not a plain trainer state, refused even with --trust-pickle "
+                              f"({str(e).splitlines()[0][:200]})") from None
+
+
+# A trainer state is a tree of dicts, lists, tuples, numbers, strings, tensors and numpy arrays. It is
+# saved as JSON with every tensor (and array) moved to a safetensors file under its path in the tree:
+#   {"state": {0: {"exp_avg": <tensor>}}, "betas": (0.9, 0.95)}
+#   -> {"state": {"__dict__": [[0, {"exp_avg": {"__tensor__": "state.0.exp_avg"}}]]},
+#       "betas": {"__tuple__": [0.9, 0.95]}}
+# Dicts with a key that is not a string (the optimizer's parameter indices) keep their key types.
+def _encode(obj, tensors: dict, path: str):
+    if isinstance(obj, torch.Tensor):
+        tensors[path] = obj.detach().cpu().clone().contiguous()
+        return {"__tensor__": path}
+    if isinstance(obj, np.ndarray):
+        tensors[path] = torch.from_numpy(obj.astype(np.int64) if obj.dtype == np.uint32 else obj.copy())
+        return {"__ndarray__": path, "dtype": str(obj.dtype)}
+    if isinstance(obj, dict):
+        if all(isinstance(k, str) and not k.startswith("__") for k in obj):
+            return {k: _encode(v, tensors, f"{path}.{k}" if path else k) for k, v in obj.items()}
+        return {"__dict__": [[k, _encode(v, tensors, f"{path}.{k}")] for k, v in obj.items()]}
+    if isinstance(obj, tuple):
+        return {"__tuple__": [_encode(v, tensors, f"{path}.{i}") for i, v in enumerate(obj)]}
+    if isinstance(obj, list):
+        return [_encode(v, tensors, f"{path}.{i}") for i, v in enumerate(obj)]
+    if isinstance(obj, (np.integer, np.floating)):
+        return obj.item()
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    raise TypeError(f"trainer state at {path!r}: cannot save a {type(obj).__name__} without pickle")
+
+
+def _decode(obj, tensors: dict, where: str):
+    if isinstance(obj, list):
+        return [_decode(v, tensors, where) for v in obj]
+    if not isinstance(obj, dict):
+        return obj
+    if "__tensor__" in obj:
+        return tensors[obj["__tensor__"]]
+    if "__ndarray__" in obj:
+        return tensors[obj["__ndarray__"]].numpy().astype(obj["dtype"])
+    if "__tuple__" in obj:
+        return tuple(_decode(v, tensors, where) for v in obj["__tuple__"])
+    if "__dict__" in obj:
+        return {k: _decode(v, tensors, where) for k, v in obj["__dict__"]}
+    return {k: _decode(v, tensors, where) for k, v in obj.items()}

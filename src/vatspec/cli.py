@@ -1,12 +1,19 @@
 """The ``vatspec`` command. This file only lists the subcommands; each is a module of
 ``vatspec.commands`` (``prepare-target`` -> ``commands/prepare_target.py``) exposing
-``configure(parser)`` and ``run(args) -> int``."""
+``configure(parser)`` and ``run(args) -> int``.
+
+It is also the one place where an error meets the user: whatever a command lets through is printed
+as one line, ``vatspec NAME: error: ...``, exit status 2 for an input the user can fix (the
+project's own errors, a file that cannot be read or decoded) and 1 for anything else; never a
+traceback, unless ``--debug`` (before or after the command name) asks for it."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
 import sys
+
+from vatspec import commands
 
 # name -> one-line help. A command's module is imported only when it runs.
 COMMANDS: dict[str, str] = {
@@ -35,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Verification-Aware Training (VAT) for EAGLE-3 and DFlash drafters: data, training, "
         "speculative decoding evaluation and export. `vatspec COMMAND --help` for each command.",
     )
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error instead of one line")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, help_ in COMMANDS.items():
         sub.add_parser(name, help=help_, add_help=False)
@@ -43,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    debug = argv[:1] == ["--debug"]  # `vatspec --debug CMD ...`; `vatspec CMD ... --debug` is the command's flag
+    if debug:
+        argv = argv[1:]
     parser = build_parser()
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         if argv and argv[0] not in ("-h", "--help"):
@@ -55,8 +66,34 @@ def main(argv: list[str] | None = None) -> int:
     command = command_module(name)
     sub = argparse.ArgumentParser(prog=f"vatspec {name}", description=COMMANDS[name])
     command.configure(sub)
-    args = sub.parse_args(rest)
-    return int(command.run(args) or 0)
+    sub.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    args = sub.parse_intermixed_args(rest)  # overrides may follow flags: `train --resume train.steps=9`
+    if debug or args.debug:
+        commands.DEBUG = True
+        try:
+            return int(command.run(args) or 0)
+        finally:
+            commands.DEBUG = False
+    try:
+        return int(command.run(args) or 0)
+    except KeyboardInterrupt:
+        print(f"vatspec {name}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # the boundary: one line for the user, --debug for the rest
+        return report_error(name, e)
+
+
+def report_error(name: str, error: Exception) -> int:
+    """Print ``error`` in one line; 2 for an input the user can fix, 1 for anything else (a bug)."""
+    module = type(error).__module__ or ""
+    user = module.startswith("vatspec.") or module.startswith("safetensors") or isinstance(error, (OSError, ValueError))
+    text = " ".join(str(error).split()) or type(error).__name__
+    if user:
+        print(f"vatspec {name}: error: {text}", file=sys.stderr)
+        return 2
+    print(f"vatspec {name}: error: internal error ({type(error).__name__}: {text}); run `vatspec --debug {name} "
+          "...` for the traceback", file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":

@@ -7,17 +7,19 @@
 Unknown sections or fields and values of the wrong type fail with a ``ConfigError`` that names
 the source (file or command-line item) and the field. Once every override is in, the loss is
 resolved for the drafter (``resolve_loss``): a drafter / loss pair the loss cannot serve is a
-``ConfigError`` here, before any data or model loads.
+``ConfigError`` here, before any data or model loads; then every numeric field is checked against
+its range (``check``, the table ``RANGES``): ``train.steps: must be >= 0, got -1``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
@@ -96,8 +98,15 @@ class TrainConfig:
     seed: int = 0
     log_every: int = 1
     eval_every: int = 0  # 0 = only at the end
-    save_every: int = 0  # 0 = only the final checkpoint
+    save_every: int | None = None  # checkpoint every N steps; None = a tenth of the run; 0 = only the final one
+    save_minutes: float = 30.0  # also checkpoint when this many minutes passed since the last; 0 = never
     keep_checkpoints: int = 2
+    # bf16: the forward passes and the loss under bfloat16 autocast; weights, gradients and optimizer
+    # state stay float32 (set target.dtype=bfloat16 too for a bf16 target)
+    precision: Literal["fp32", "bf16"] = "fp32"
+    # under torchrun: ddp replicates the drafter on every rank; fsdp shards its parameters, gradients
+    # and optimizer state across ranks (FSDP2 fully_shard). Checkpoints of either resume in either.
+    parallel: Literal["ddp", "fsdp"] = "ddp"
 
 
 @dataclass(frozen=True)
@@ -138,7 +147,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         section, _, name = key.partition(".")
         value = yaml.safe_load(raw) if raw.strip() else ""
         cfg = merge(cfg, {section: {name: value}}, source=f"override {item!r}")
-    return resolve_loss(cfg)
+    return check(resolve_loss(cfg))
 
 
 def resolve_loss(cfg: Config) -> Config:
@@ -159,6 +168,62 @@ def resolve_loss(cfg: Config) -> Config:
         return dataclasses.replace(cfg, loss=loss.resolve(schedule, block_size=block))
     except ValueError as e:
         raise ConfigError(f"drafter.kind={d.kind} with loss.kind={loss.kind}: {e}") from e
+
+
+def _at_least(n: int | float, optional: bool = False):
+    return (lambda v: (optional and v is None) or (v is not None and v >= n)), f">= {n}" + (" (or null)" * optional)
+
+
+def _within(lo: float, hi: float, closed: str, optional: bool = False):
+    def ok(v):
+        if v is None:
+            return optional
+        return (lo <= v if closed[0] == "[" else lo < v) and (v <= hi if closed[1] == "]" else v < hi)
+
+    return ok, f"in {closed[0]}{lo:g}, {hi:g}{closed[1]}" + (" (or null)" * optional)
+
+
+# field -> (test, what it must be): every numeric range, checked once all overrides are in
+RANGES: dict[str, tuple] = {
+    "data.heldout_fraction": _within(0, 1, "[)"),
+    "data.heldout_max": _at_least(0),
+    "data.max_length": _at_least(2),
+    "data.batch_size": _at_least(1),
+    "drafter.draft_vocab_size": _at_least(1),
+    "drafter.ttt_steps": _at_least(1),
+    "drafter.num_layers": _at_least(1),
+    "drafter.block_size": _at_least(2),  # the anchor and at least one drafted slot
+    "drafter.num_anchors": _at_least(1),
+    "drafter.mask_token_id": _at_least(0, optional=True),
+    "optim.lr": (lambda v: v is None or 0 < v < math.inf, "> 0 (or null: the drafter's reference lr)"),
+    "optim.betas": (lambda v: all(0 <= b < 1 for b in v), "two numbers in [0, 1)"),
+    "optim.weight_decay": _at_least(0),
+    "optim.warmup_ratio": _within(0, 1, "[]", optional=True),
+    "optim.grad_clip": (lambda v: v is None or v > 0, "> 0 (or null)"),
+    "optim.grad_accum": _at_least(1),
+    "optim.min_lr_ratio": _within(0, 1, "[]"),
+    "train.steps": _at_least(0),
+    "train.epochs": _at_least(1),
+    "train.log_every": _at_least(1),
+    "train.eval_every": _at_least(0),
+    "train.save_every": _at_least(0, optional=True),
+    "train.save_minutes": _at_least(0),
+    "train.keep_checkpoints": _at_least(0),
+}
+
+
+def check(cfg: Config) -> Config:
+    """``cfg`` if every field of ``RANGES`` is in its range, else a ``ConfigError`` naming the field:
+    ``train.steps: must be >= 0, got -1``."""
+    for key, (ok, want) in RANGES.items():
+        section, _, name = key.partition(".")
+        value = getattr(getattr(cfg, section), name)
+        if not ok(value):
+            raise ConfigError(f"{key}: must be {want}, got {value!r}")
+    ids = cfg.drafter.target_layer_ids
+    if ids is not None and (not ids or min(ids) < 0):
+        raise ConfigError(f"drafter.target_layer_ids: must be a non-empty list of layer ids >= 0, got {list(ids)}")
+    return cfg
 
 
 def merge(cfg: Any, data: dict, *, source: str, prefix: str = "") -> Any:
@@ -261,4 +326,4 @@ def save_config(cfg: Config, path: str | Path) -> None:
 
 
 def config_from_dict(data: dict, *, source: str = "checkpoint") -> Config:
-    return resolve_loss(merge(Config(), data, source=source))
+    return check(resolve_loss(merge(Config(), data, source=source)))

@@ -30,7 +30,7 @@ import torch
 
 log = logging.getLogger(__name__)  # the steps as they run; `vatspec demo` prints them to stderr
 
-MARKER = "vatspec-demo.json"
+MARKER = "vatspec-demo.json"  # an older demo's owner file (now .vatspec-owner, vatspec.outputs)
 BENCHES = {"gsm8k": "math", "humaneval": "code", "mt_bench": "chat", "alpaca": "chat"}
 
 
@@ -136,7 +136,7 @@ def arm_configs(names: list[str], size: DemoSize, data_path: Path, runs_dir: Pat
         f"drafter.draft_vocab_size={size.draft_vocab}", f"drafter.ttt_steps={size.ttt_steps}",
         f"drafter.block_size={size.block_size}", f"drafter.num_anchors={size.anchors}",
         f"train.steps={size.steps}", f"train.seed={size.seed}", f"train.eval_every={size.eval_every}",
-        "train.keep_checkpoints=1",
+        "train.keep_checkpoints=1", "train.save_every=0", "train.save_minutes=0",  # a rerun starts afresh
     ]
     cfgs = []
     for name in names:
@@ -293,14 +293,25 @@ def paired_tau_sim(chains: dict[str, list[int] | None]) -> dict[str, dict]:
     return out
 
 
+# what the demo and the ablation write in their folder: all a rerun removes (the user's other files stay)
+OUTPUTS = ("runs", "eval", "training_curves.png", "demo.json", "report.md", "ablation.md", "config-*.yaml", MARKER)
+
+
 def _prepare_out(out: Path) -> None:
-    """The demo owns its output folder: reuse it only if an earlier demo made it."""
-    if out.exists() and any(out.iterdir()):
-        if not (out / MARKER).is_file():
-            raise DemoError(f"{out} exists and was not made by vatspec demo; choose another --out")
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
-    (out / MARKER).write_text(json.dumps({"created": time.strftime("%Y-%m-%dT%H:%M:%S")}))
+    """The demo owns what it writes in its output folder: a folder an earlier demo or ablation made
+    (``.vatspec-owner``; ``vatspec-demo.json`` before) loses those outputs and keeps everything else;
+    any other non-empty folder is refused."""
+    from vatspec.outputs import OutputError, check_folder, claim_folder
+
+    try:
+        if not (out / MARKER).is_file():  # an older demo's folder is the demo's too
+            check_folder(out, "demo", "--out")
+        for pattern in OUTPUTS:
+            for p in out.glob(pattern):
+                shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+        claim_folder(out, "demo")
+    except OutputError as e:
+        raise DemoError(str(e)) from None
 
 
 def _report_md(summary: dict, results: dict, eval_paths: dict, size: DemoSize) -> str:

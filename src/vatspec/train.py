@@ -8,6 +8,11 @@ Runs unchanged under ``torchrun --nproc_per_node=N`` (DDP: gloo on CPU, NCCL on 
     cfg = load_config("run.yaml", ["drafter=eagle3", "loss=vat", "train.steps=200"])
     metrics = train(cfg)            # `vatspec train --config run.yaml drafter=eagle3 loss=vat ...`
     train(cfg, resume=True)         # `... --resume`: continue the run in cfg.train.out_dir
+
+A run folder holds ``.vatspec-owner`` (``vatspec.outputs``), ``config.yaml``, ``data_stats.json`` (what
+was read, skipped and dropped), ``metrics.jsonl``, ``checkpoints/`` and, at the end,
+``heldout_chains.json``. Checkpoints are periodic by default (``train.save_every``, ``train.save_minutes``),
+so a killed run resumes; on resume ``metrics.jsonl`` is cut back to the checkpoint's step.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from vatspec.drafters.base import AcceptHead
 from vatspec.features import CachedTarget
 from vatspec.losses import vat_objective
 from vatspec.metrics import MetricAccumulator, chain_metrics
+from vatspec.outputs import OutputError, check_apart, check_folder, claim_folder, mark_folder, owner
 from vatspec.target import TargetOutput
 from vatspec.verify import simulate_verification
 
@@ -138,11 +144,20 @@ def arm_step(model, drafter, batch, tout, plan, loss_cfg, generator) -> StepResu
 def arms_micro_step(arms, target, batch, generators) -> Iterator[StepResult]:
     """One micro-batch for every arm: plans, one shared target pass, then each arm's step.
     A generator, so the caller's backward frees one arm's graph before the next arm runs."""
-    plans = [plan_batch(a.drafter, batch, a.cfg.drafter, g, with_logits=not a.loss_cfg.chunk_size)
-             for a, g in zip(arms, generators)]
-    touts = shared_target_pass(target, batch, [a.drafter for a in arms], plans)
+    autocast = precision_context(batch.input_ids.device, arms[0].cfg.train.precision)
+    with autocast:
+        plans = [plan_batch(a.drafter, batch, a.cfg.drafter, g, with_logits=not a.loss_cfg.chunk_size)
+                 for a, g in zip(arms, generators)]
+        touts = shared_target_pass(target, batch, [a.drafter for a in arms], plans)
     for a, t, p, g in zip(arms, touts, plans, generators):
-        yield arm_step(a.model, a.drafter, batch, t, p, a.loss_cfg, g)
+        with autocast:  # the forward and the loss; the caller's backward runs outside it
+            res = arm_step(a.model, a.drafter, batch, t, p, a.loss_cfg, g)
+        yield res
+
+
+def precision_context(device: torch.device, precision: str):
+    """bfloat16 autocast for ``train.precision=bf16`` (float32 master weights and optimizer state), else a no-op."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
 
 
 @dataclass
@@ -151,7 +166,7 @@ class Arm:
 
     cfg: Config
     module: TrainModule
-    model: nn.Module  # module, or DDP(module)
+    model: nn.Module  # module, DDP(module), or module itself sharded by fully_shard (fsdp)
     loss_cfg: object
     optim_cfg: OptimConfig
     opt: torch.optim.Optimizer
@@ -159,6 +174,7 @@ class Arm:
     params: list
     run_dir: Path
     config_yaml: str
+    fsdp: bool = False  # parameters are sharded DTensors: full state dicts are gathered collectively
 
     @property
     def drafter(self):
@@ -206,7 +222,27 @@ def _all_reduce_mean(values: dict, world: int) -> dict:
 
 # ----------------------------------------------------------------------------- the run
 SHARED_SECTIONS = ("target", "data")
-SHARED_TRAIN_FIELDS = ("steps", "epochs", "seed", "eval_every", "save_every", "log_every")
+SHARED_TRAIN_FIELDS = ("steps", "epochs", "seed", "eval_every", "save_every", "save_minutes", "log_every", "precision",
+                       "parallel")
+SAVES_PER_RUN = 10  # train.save_every unset: a checkpoint every total // 10 steps
+
+
+def save_interval(cfg: Config, total: int) -> int:
+    """Steps between periodic checkpoints: ``train.save_every``, or (unset) a tenth of the run; 0 = none."""
+    if cfg.train.save_every is not None:
+        return cfg.train.save_every
+    return max(1, total // SAVES_PER_RUN)
+
+
+def finished(cfg: Config, *, trust_pickle: bool = False) -> int | None:
+    """The step of the run in ``cfg.train.out_dir`` if its latest checkpoint is its last (a ``--resume``
+    would do nothing), else None."""
+    d = Path(cfg.train.out_dir)
+    if not (d / "latest").is_file():
+        return None
+    state = ckpt_io.load_trainer_state(ckpt_io.resolve_checkpoint(d), trust_pickle=trust_pickle)
+    total = cfg.train.steps or state.get("total")
+    return state["step"] if total is not None and state["step"] >= total else None
 
 
 def train(cfg: Config, **kw) -> dict:
@@ -215,11 +251,15 @@ def train(cfg: Config, **kw) -> dict:
 
 
 def train_arms(cfgs: list[Config], *, resume: bool = False, init_from: str | None = None, target=None,
-               progress: bool = True, on_log=None) -> list[dict]:
+               progress: bool = True, on_log=None, trust_pickle: bool = False) -> list[dict]:
     """Train several drafters in lockstep on the same batches, sharing one target forward per
     micro-batch. Equivalent to separate runs with the same data, steps and seed (each arm has its
     own optimiser, schedule, RNG stream and run folder); the target's cost is paid once.
-    ``target`` may be passed in to reuse a loaded model. Returns each arm's final held-out metrics."""
+    ``target`` may be passed in to reuse a loaded model. Returns each arm's final held-out metrics.
+
+    ``resume``: continue each run folder from its latest checkpoint (from step 0 if it has none yet); a
+    run already at its last step is left as it is. ``trust_pickle``: read an older checkpoint's pickled
+    trainer state (``checkpoint.load_trainer_state``)."""
     from vatspec import data as D
     from vatspec.target import open_target
 
@@ -243,20 +283,42 @@ def train_arms(cfgs: list[Config], *, resume: bool = False, init_from: str | Non
 
     rank, world, device = _dist_setup(base.target.device)
     is_main = rank == 0
-    # 0. refuse to clobber: a run folder with checkpoints needs --resume (or a new out_dir)
-    for d in dirs:
-        if not resume and (d / "latest").exists():
-            raise TrainError(f"{d} already holds a run (found {d / 'latest'}); pass --resume to continue "
-                             "it or choose another train.out_dir")
-    resume_from = [ckpt_io.resolve_checkpoint(d) for d in dirs] if resume else None
+    # 0. refuse to clobber: a run folder with checkpoints needs --resume (or a new out_dir); a folder
+    # vatspec train did not make is never written into; no input lies in, or holds, a run folder
+    dcfg = base.data
+    inputs = {"data.train": dcfg.train, "data.heldout": dcfg.heldout, "data.features": dcfg.features,
+              "--init-from": init_from}
+    if Path(base.target.path).exists():
+        inputs["target.path"] = base.target.path
+    states: list[dict | None] = [None for _ in dirs]
+    for i, d in enumerate(dirs):
+        try:
+            check_apart(d, inputs, "train.out_dir")
+            if (d / "latest").exists():  # a run (an older version's run folders have no owner file)
+                if not resume:
+                    raise TrainError(f"{d} already holds a run (found {d / 'latest'}); pass --resume to continue "
+                                     "it or choose another train.out_dir")
+                ck = ckpt_io.resolve_checkpoint(d)
+                states[i] = ckpt_io.load_trainer_state(ck, trust_pickle=trust_pickle)
+                states[i]["checkpoint"] = ck
+            else:
+                if resume and owner(d) != "train":
+                    raise TrainError(f"--resume: {d} holds no run to resume (no {d / 'latest'})")
+                check_folder(d, "train", "train.out_dir")
+        except OutputError as e:
+            raise TrainError(str(e)) from None
 
     # 1. data, shared by every arm: conversations tokenized here, or the rows of a feature cache
     # (data.features: the same conversations in the same order, so the held-out split is the same)
-    dcfg = base.data
     if not dcfg.train and not dcfg.features:
         raise TrainError("data.train is empty: name a conversations file (JSONL/JSON/HF dataset folder) "
                          "or a feature cache (data.features)")
-    convs = D.load_conversations(dcfg.train, skip_bad=dcfg.skip_bad) if dcfg.train else None  # before the model
+    stats: dict = {}  # what was read, skipped and dropped: printed by the command, saved as data_stats.json
+    if dcfg.train:  # before the model
+        stats["data.train"] = read = {}
+        convs = D.load_conversations(dcfg.train, skip_bad=dcfg.skip_bad, stats=read)
+    else:
+        convs = None
     if target is None:
         target = open_target(base.target.path, device=device, dtype=base.target.dtype)
     tok = target.tokenizer
@@ -268,14 +330,17 @@ def train_arms(cfgs: list[Config], *, resume: bool = False, init_from: str | Non
             held_cache = _open_cache(dcfg.heldout, "data.heldout", target, cfgs, None)
             held_items = list(range(len(held_cache)))
         else:
-            held_items = D.load_conversations(dcfg.heldout, skip_bad=dcfg.skip_bad)
+            stats["data.heldout"] = read = {}
+            held_items = D.load_conversations(dcfg.heldout, skip_bad=dcfg.skip_bad, stats=read)
         train_items = items
     else:
         train_items, held_items = heldout_split(items, dcfg, base.train.seed)
     train_src = f"data.features={dcfg.features}" if train_cache else dcfg.train
-    held_src = (f"data.heldout={dcfg.heldout}" if train_cache else dcfg.heldout) if dcfg.heldout else train_src
-    train_ex = _tokenize(train_items, tok, dcfg.max_length, train_src, train_cache)
-    held_ex = _tokenize(held_items, tok, dcfg.max_length, held_src, held_cache)
+    held_src = ((f"data.heldout={dcfg.heldout}" if train_cache else dcfg.heldout) if dcfg.heldout
+                else f"the held-out split of {train_src} (data.heldout_fraction={dcfg.heldout_fraction})")
+    stats["train"], stats["heldout"] = {}, {}
+    train_ex = _tokenize(train_items, tok, dcfg.max_length, train_src, train_cache, stats["train"])
+    held_ex = _tokenize(held_items, tok, dcfg.max_length, held_src, held_cache, stats["heldout"])
     if not train_ex:
         raise TrainError(f"{train_src}: no conversation has a supervised (assistant) token")
     counts = D.token_counts(train_ex, target.vocab_size)
@@ -300,20 +365,29 @@ def train_arms(cfgs: list[Config], *, resume: bool = False, init_from: str | Non
         who = {f"the {a.drafter.kind} drafter of {a.run_dir}": a.drafter.target_layer_ids for a in arms}
         _checked(cache.check_run, target, who, dcfg.max_length, where=src, root=cache.root)
     step = 0
-    if resume_from is not None:
-        steps = []
-        for arm, ck in zip(arms, resume_from):
-            state = _restore_arm(arm, ck)
-            steps.append(state["step"])
-        if len(set(steps)) != 1:
-            raise TrainError(f"arms' latest checkpoints are at different steps {steps}: cannot resume in lockstep")
+    steps = [s["step"] if s else 0 for s in states]
+    if len(set(steps)) != 1:
+        raise TrainError(f"arms' latest checkpoints are at different steps {steps}: cannot resume in lockstep")
+    if states[0] is not None:
+        if steps[0] >= total:  # a finished run: nothing to do, nothing written
+            return [{k.removeprefix("eval/"): v for k, v in s.get("metrics", {}).items() if k.startswith("eval/")}
+                    for s in states]
+        for arm, state in zip(arms, states):
+            _restore_arm(arm, state)
         step = steps[0]
-        batches.load_state_dict(state["data"])
-        _set_rng(state["rng"])
+        batches.load_state_dict(states[0]["data"])
+        _set_rng(states[0]["rng"])
     if is_main:
-        for arm in arms:
-            arm.run_dir.mkdir(parents=True, exist_ok=True)
+        for arm, state in zip(arms, states):
+            if state is None:
+                claim_folder(arm.run_dir, "train")
+            else:  # a run folder (``latest``), an older version's too
+                mark_folder(arm.run_dir, "train")
             (arm.run_dir / "config.yaml").write_text(arm.config_yaml)
+            (arm.run_dir / "data_stats.json").write_text(json.dumps(stats, indent=1) + "\n")
+            _cut_metrics(arm.run_dir / "metrics.jsonl", step)  # a rerun or resume logs each step once
+    save_every = save_interval(base, total)
+    t_saved = time.monotonic()
 
     # 3. loop
     bars = [_progress(total, step, progress and is_main, desc=arm.name, position=i) for i, arm in enumerate(arms)]
@@ -342,11 +416,13 @@ def train_arms(cfgs: list[Config], *, resume: bool = False, init_from: str | Non
         last = step == total
         grad_norms = []
         for arm in arms:
-            grad_norms.append(float(torch.nn.utils.clip_grad_norm_(arm.params, arm.optim_cfg.grad_clip)))
+            norm = torch.nn.utils.clip_grad_norm_(arm.params, arm.optim_cfg.grad_clip)
+            grad_norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))  # fsdp: a DTensor
             arm.opt.step()
             arm.sched.step()
         do_eval = last or (base.train.eval_every and step % base.train.eval_every == 0)
         evals = evaluate_arms(arms, source, held_ex, base, device) if do_eval else [{} for _ in arms]
+        records = []
         for i, arm in enumerate(arms):
             grad_norm = grad_norms[i]
             record = {"step": step, "lr": arm.sched.get_last_lr()[0], "grad_norm": grad_norm,
@@ -354,6 +430,7 @@ def train_arms(cfgs: list[Config], *, resume: bool = False, init_from: str | Non
             record.update({f"train/{k}": v for k, v in accs[i].summary().items()})
             record = _all_reduce_mean(record, world)
             record.update({f"eval/{k}": v for k, v in evals[i].items() if k != CHAINS_KEY})
+            records.append(record)
             if last:
                 finals[i] = evals[i]
                 if is_main and CHAINS_KEY in evals[i]:
@@ -368,13 +445,26 @@ def train_arms(cfgs: list[Config], *, resume: bool = False, init_from: str | Non
                 bars[i].set_postfix(loss=f"{record.get('loss', float('nan')):.3f}",
                                     tau=f"{record.get('train/tau_sim', float('nan')):.2f}")
                 bars[i].update(1)
-            if is_main and (last or (base.train.save_every and step % base.train.save_every == 0)):
-                ckpt_io.save_checkpoint(
-                    arm.run_dir, step, drafter=arm.drafter, head=arm.module.head, config_yaml=arm.config_yaml,
-                    keep=arm.cfg.train.keep_checkpoints,
-                    trainer_state={"optimizer": arm.opt.state_dict(), "scheduler": arm.sched.state_dict(),
-                                   "data": batches.state_dict(), "rng": _get_rng(), "metrics": record},
-                )
+        # periodic checkpoints: every save_every steps, and when save_minutes passed since the last
+        # (rank 0 decides by its clock; only rank 0 writes)
+        minutes = base.train.save_minutes and time.monotonic() - t_saved >= 60 * base.train.save_minutes
+        due = bool(last or (save_every and step % save_every == 0) or minutes)
+        if world > 1:  # rank 0's clock decides; under fsdp every rank takes part in gathering the state
+            flag = torch.tensor([float(due)])
+            dist.broadcast(flag, 0)
+            due = bool(flag.item())
+        if due:
+            for arm, record in zip(arms, records):
+                drafter_state, head_state, optim_state = _full_states(arm)
+                if is_main:
+                    ckpt_io.save_checkpoint(
+                        arm.run_dir, step, drafter=arm.drafter, head=arm.module.head, config_yaml=arm.config_yaml,
+                        keep=arm.cfg.train.keep_checkpoints, drafter_state=drafter_state, head_state=head_state,
+                        trainer_state={"optimizer": optim_state, "scheduler": arm.sched.state_dict(),
+                                       "data": batches.state_dict(), "rng": _get_rng(), "metrics": record,
+                                       "total": total},
+                    )
+            t_saved = time.monotonic()
         if world > 1:
             dist.barrier()
         t_last = time.perf_counter()
@@ -409,17 +499,32 @@ def _build_arm(cfg: Config, target, counts, total: int, world: int, device, init
         _check_init_from(drafter, cfg, init_from)
     else:
         drafter = build_drafter(cfg.drafter, target, counts)
+    vd = getattr(drafter.config, "draft_vocab_size", None)
+    if vd is not None and vd != cfg.drafter.draft_vocab_size:  # clamped to the target's vocabulary: say so
+        cfg = replace(cfg, drafter=replace(cfg.drafter, draft_vocab_size=vd))
     drafter.to(device)
     loss_cfg = cfg.loss  # resolved with the config (config.resolve_loss)
     head = AcceptHead(drafter.hidden_size).to(device) if loss_cfg.head else None
     module = TrainModule(drafter, head)
-    model = nn.parallel.DistributedDataParallel(module) if world > 1 else module
-    params = [p for p in module.parameters() if p.requires_grad]
+    fsdp = world > 1 and cfg.train.parallel == "fsdp"
+    if fsdp:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        # the root only, kept unsharded from forward to backward: the loss may read parameters the
+        # forward returned (the chunked lm_head), and a one- or few-layer drafter gains nothing from
+        # per-layer resharding
+        fully_shard(module, mesh=init_device_mesh(device.type, (world,)), reshard_after_forward=False)
+        model = module
+    else:
+        model = nn.parallel.DistributedDataParallel(module) if world > 1 else module
+    params = [p for p in module.parameters() if p.requires_grad]  # fsdp: the sharded parameters
     opt = torch.optim.AdamW(params, lr=optim_cfg.lr, betas=optim_cfg.betas, weight_decay=optim_cfg.weight_decay)
     warmup = int(round(optim_cfg.warmup_ratio * total))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total, warmup, optim_cfg.min_lr_ratio))
     config_yaml = dump_config(replace(cfg, optim=optim_cfg))
-    return Arm(cfg, module, model, loss_cfg, optim_cfg, opt, sched, params, Path(cfg.train.out_dir), config_yaml)
+    return Arm(cfg, module, model, loss_cfg, optim_cfg, opt, sched, params, Path(cfg.train.out_dir), config_yaml,
+               fsdp=fsdp)
 
 
 def _check_init_from(drafter, cfg: Config, init_from: str) -> None:
@@ -432,16 +537,75 @@ def _check_init_from(drafter, cfg: Config, init_from: str) -> None:
                          f"drafter.block_size={cfg.drafter.block_size}; pass drafter.block_size={drafter.block_size}")
 
 
-def _restore_arm(arm: Arm, ck: Path) -> dict:
-    state = ckpt_io.load_trainer_state(ck)
-    arm.module.drafter.load_state_dict(_load_tensors(ck / "drafter.safetensors"))
+def _restore_arm(arm: Arm, state: dict) -> None:
+    ck = state["checkpoint"]
+    full = {f"drafter.{k}": v for k, v in _load_tensors(ck / "drafter.safetensors").items()}
     if arm.module.head is not None:
         if not (ck / "head.safetensors").is_file():
             raise TrainError(f"{ck}: no head.safetensors, but loss.head is on")
-        arm.module.head.load_state_dict(_load_tensors(ck / "head.safetensors"))
-    arm.opt.load_state_dict(state["optimizer"])
+        full |= {f"head.{k}": v for k, v in _load_tensors(ck / "head.safetensors").items()}
+    osd = state["optimizer"]
+    by_name = bool(osd["param_groups"]) and all(isinstance(i, str) for g in osd["param_groups"] for i in g["params"])
+    if arm.fsdp or by_name:  # an fsdp run, or a checkpoint one wrote: named, full state dicts
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        opts = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(arm.module, full, options=opts)
+        set_optimizer_state_dict(arm.module, arm.opt, osd if by_name else _named_optim_state(arm, osd), options=opts)
+    else:
+        arm.module.drafter.load_state_dict({k[8:]: v for k, v in full.items() if k.startswith("drafter.")})
+        if arm.module.head is not None:
+            arm.module.head.load_state_dict({k[5:]: v for k, v in full.items() if k.startswith("head.")})
+        arm.opt.load_state_dict(osd)
     arm.sched.load_state_dict(state["scheduler"])
-    return state
+
+
+def _full_states(arm: Arm) -> tuple[dict | None, dict | None, dict]:
+    """(drafter, head, optimizer) state dicts to save. fsdp: gathered whole from every rank's shards
+    (collective; rank 0 gets the tensors, on the CPU) with the optimizer keyed by parameter name;
+    else None, None (the modules' own) and the optimizer's own state dict."""
+    if not arm.fsdp:
+        return None, None, arm.opt.state_dict()
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    full = get_model_state_dict(arm.module, options=opts)
+    optim = get_optimizer_state_dict(arm.module, arm.opt, options=opts)
+    drafter = {k[8:]: v for k, v in full.items() if k.startswith("drafter.")}
+    head = {k[5:]: v for k, v in full.items() if k.startswith("head.")} or None
+    return drafter, head, optim
+
+
+def _named_optim_state(arm: Arm, osd: dict) -> dict:
+    """An optimizer state dict keyed by position (``opt.state_dict()``, ddp or one process) -> keyed by
+    parameter name, the form ``set_optimizer_state_dict`` reads (positions follow ``arm.params``)."""
+    names = [n for n, p in arm.module.named_parameters() if p.requires_grad]
+    return {"state": {names[int(i)]: v for i, v in osd["state"].items()},
+            "param_groups": [{**g, "params": [names[int(i)] for i in g["params"]]} for g in osd["param_groups"]]}
+
+
+def _cut_metrics(path: Path, step: int) -> None:
+    """Keep the records of ``metrics.jsonl`` up to ``step`` (a partial last line from a kill goes too)."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            if json.loads(line)["step"] <= step:
+                kept.append(line + "\n")
+        except (ValueError, KeyError, TypeError):
+            continue
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+    tmp.write_text("".join(kept), encoding="utf-8")
+    os.replace(tmp, path)
 
 
 CHAINS_KEY = "chain_accepted"  # per held-out chain accepted lengths: kept with the final metrics, not logged
@@ -478,18 +642,29 @@ def evaluate_arms(arms: list[Arm], target, examples, cfg: Config, device) -> lis
 
 
 # ----------------------------------------------------------------------------- helpers
-def _tokenize(convs, tok, max_length: int, source: str, cache=None):
-    """The examples with a supervised token: ``convs`` tokenized, or (``cache``) the cache rows ``convs``."""
+MIN_SUPERVISED = 2  # a conversation with one supervised token has nothing to draft after it
+
+
+def _tokenize(convs, tok, max_length: int, source: str, cache=None, stats: dict | None = None):
+    """The examples worth training on: ``convs`` tokenized, or (``cache``) the cache rows ``convs``,
+    without those that keep fewer than ``MIN_SUPERVISED`` supervised tokens; ``stats`` gets the counts."""
     from vatspec import data as D
 
     if cache is not None:
         examples = _checked(cache.examples, convs, where=source, root=cache.root)
     else:
         examples = [D.tokenize_conversation(conv, tok, max_length) for conv in convs]
-    out = [ex for ex in examples if any(ex.loss_mask)]
+    out = [ex for ex in examples if sum(ex.loss_mask) >= MIN_SUPERVISED]
+    if stats is not None:
+        at_max = [len(ex) >= max_length for ex in examples]
+        dropped = [sum(ex.loss_mask) < MIN_SUPERVISED for ex in examples]
+        stats.update(conversations=len(examples), kept=len(out),
+                     dropped_over_length=sum(d and m for d, m in zip(dropped, at_max)),  # the answer lay beyond
+                     dropped_too_short=sum(d and not m for d, m in zip(dropped, at_max)),
+                     kept_truncated=sum(m and not d for d, m in zip(dropped, at_max)))
     if convs and not out:
-        raise TrainError(f"{source}: none of {len(convs)} conversations keeps a supervised token "
-                         f"within data.max_length={max_length}")
+        raise TrainError(f"{source}: none of {len(convs)} conversations keeps {MIN_SUPERVISED} supervised "
+                         f"(assistant) tokens within data.max_length={max_length}")
     return out
 
 

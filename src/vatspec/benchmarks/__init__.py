@@ -53,7 +53,7 @@ def load_benchmark(name: str, *, turns: str = "first") -> list[Conversation]:
     """
     key = name.lower().replace("-", "_")
     if key not in BENCHMARKS:
-        raise KeyError(f"unknown benchmark {name!r}; bundled: {', '.join(BENCHMARKS)}")
+        raise DataError(f"unknown benchmark {name!r}; bundled: {', '.join(BENCHMARKS)}")
     if turns not in ("first", "all"):
         raise ValueError(f"turns must be 'first' or 'all', got {turns!r}")
     rows = _rows(BENCHMARKS[key][0])

@@ -7,7 +7,8 @@ Every module exposes the same two functions, and ``vatspec.cli`` only lists them
 
 The argument parsing and the printed output live here; the library modules they call hold neither
 (progress bars aside). A mistake the user can fix (a config field, a path, a data file) is printed
-as one line, ``vatspec NAME: error: ...``, with exit status 2 (``report``), not a traceback.
+as one line, ``vatspec NAME: error: ...``, with exit status 2 (``report``), not a traceback
+(``vatspec --debug NAME ...`` shows it); whatever a command lets through, ``vatspec.cli`` prints the same way.
 """
 
 from __future__ import annotations
@@ -18,10 +19,49 @@ import sys
 DTYPE_METAVAR = "{float32,bfloat16,float16}"
 
 
+DEBUG = False  # `vatspec --debug ...`: report() raises, so the traceback shows (set by vatspec.cli)
+
+
 def report(command: str, error: BaseException) -> int:
-    """Print ``error`` as the command's one-line error on stderr; return the exit status 2."""
-    print(f"vatspec {command}: error: {error}", file=sys.stderr)
+    """Print ``error`` as the command's one-line error on stderr; return the exit status 2.
+    Under ``--debug``, raise it instead."""
+    if DEBUG:
+        raise error
+    text = " ".join(str(error).split())  # one line, whatever the message (a YAML error spans several)
+    print(f"vatspec {command}: error: {text}", file=sys.stderr)
     return 2
+
+
+def int_arg(minimum: int):
+    """argparse ``type=`` for a count: an integer >= ``minimum`` (``--limit -3`` is an error, not a slice)."""
+
+    def parse(value: str) -> int:
+        try:
+            n = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
+        if n < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {n}")
+        return n
+
+    return parse
+
+
+def float_arg(minimum: float = 0.0, maximum: float = float("inf"), *, above: bool = False):
+    """argparse ``type=`` for a number in ``[minimum, maximum]`` (``(minimum, maximum]`` with ``above``)."""
+
+    def parse(value: str) -> float:
+        try:
+            x = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {value!r}") from None
+        if not (x > minimum if above else x >= minimum) or not x <= maximum:
+            lo = f"> {minimum:g}" if above else f">= {minimum:g}"
+            raise argparse.ArgumentTypeError(f"must be {lo}" + (f" and <= {maximum:g}" if maximum < float("inf")
+                                                                else "") + f", got {value}")
+        return x
+
+    return parse
 
 
 def dtype_arg(value: str) -> str:

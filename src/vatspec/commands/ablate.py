@@ -7,10 +7,9 @@ same data and seed (``vatspec.demo.run_ablation``), printed and written as a tab
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-from vatspec.commands import demo
+from vatspec.commands import demo, report
 from vatspec.demo import DemoError, ablation_table, run_ablation
 from vatspec.drafters import DRAFTERS
 
@@ -26,7 +25,6 @@ def run(args: argparse.Namespace) -> int:
         results = run_ablation(Path(args.out), demo.size_of(args), args.drafter, threads=args.threads,
                                progress=not args.no_progress)
     except DemoError as e:
-        print(f"vatspec ablate: {e}", file=sys.stderr)
-        return 1
+        return report("ablate", e)
     print(ablation_table(results))
     return 0

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import argparse
 
+from vatspec.commands import int_arg
+
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--show", metavar="NAME", help="print the first prompts of one benchmark")
-    parser.add_argument("-n", type=int, default=3, help="how many prompts --show prints (default 3)")
+    parser.add_argument("-n", type=int_arg(1), default=3, help="how many prompts --show prints (default 3)")
 
 
 def run(args: argparse.Namespace) -> int:

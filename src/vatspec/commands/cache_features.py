@@ -13,7 +13,7 @@ import argparse
 import os
 import re
 
-from vatspec.commands import DTYPE_METAVAR, dtype_arg, report
+from vatspec.commands import DTYPE_METAVAR, dtype_arg, int_arg, report
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
           "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
@@ -68,8 +68,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                         help="storage dtype of the features (default bfloat16)")
     parser.add_argument("--shard-size", type=size_arg, default=2**30, help="bytes per shard (default 1GiB)")
-    parser.add_argument("--max-length", type=int, default=2048, help="tokens per conversation (data.max_length)")
-    parser.add_argument("--batch-size", type=int, default=8, help="conversations per target forward")
+    parser.add_argument("--max-length", type=int_arg(2), default=2048,
+                        help="tokens per conversation (data.max_length)")
+    parser.add_argument("--batch-size", type=int_arg(1), default=8, help="conversations per target forward")
     parser.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available; under torchrun "
                                                        "cuda:LOCAL_RANK)")
     parser.add_argument("--device-map", default=None, help="a target larger than one GPU: accelerate's device_map "
@@ -82,8 +83,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "be target.dtype of the training run")
     parser.add_argument("--skip-bad", action="store_true", help="skip (and count) bad input records, as "
                                                                 "data.skip_bad=true does in training")
-    parser.add_argument("--sample", type=int, default=4, help="--validate: rows compared with a fresh forward")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--sample", type=int_arg(0), default=4, help="--validate: rows compared with a fresh forward")
+    parser.add_argument("--threads", type=int_arg(1), default=None, help="torch CPU threads")
     parser.add_argument("--no-progress", action="store_true")
 
 
@@ -92,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
 
     from vatspec.data import DataError
     from vatspec.features import FeatureCacheError
+    from vatspec.outputs import OutputError, check_apart
     from vatspec.target import TargetError
 
     if args.threads:
@@ -101,8 +103,15 @@ def run(args: argparse.Namespace) -> int:
             return _validate(args)
         if not args.data or not args.out:
             return report("cache-features", ValueError("give DATA and --out DIR (or --validate DIR)"))
+        # the cache folder is its own proof of ownership (its manifest, checked by write_cache); here:
+        # not a file, and apart from the data and the target
+        if os.path.exists(args.out) and not os.path.isdir(args.out):
+            raise OutputError(f"--out {args.out} exists and is not a folder")
+        check_apart(args.out, {"DATA": args.data if os.path.exists(args.data) else None,
+                               "--target": args.target if args.target and os.path.exists(args.target) else None},
+                    "--out")
         return _write(args)
-    except (DataError, TargetError, FeatureCacheError, ValueError) as e:
+    except (DataError, TargetError, FeatureCacheError, OutputError, ValueError) as e:
         return report("cache-features", e)
 
 

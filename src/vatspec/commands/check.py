@@ -19,6 +19,7 @@ from vatspec.bench import prompt_ids
 from vatspec.check import check_draft
 from vatspec.commands import report
 from vatspec.data import DataError
+from vatspec.outputs import OutputError, check_apart, check_file
 from vatspec.target import TargetError, open_target
 
 
@@ -41,6 +42,11 @@ def run(args: argparse.Namespace) -> int:
         return report("check", ValueError(f"{folder}: no config.json (not a served draft folder)"))
     if args.num_prompts < 1 or args.max_new_tokens < 1:
         return report("check", ValueError("--num-prompts and --max-new-tokens must be >= 1"))
+    try:
+        if args.json:
+            _check_json_out(Path(args.json), {"FOLDER": folder, "--prompts": args.prompts})
+    except OutputError as e:
+        return report("check", e)
     try:
         target = open_target(args.target, device=args.device, dtype=args.dtype)
         prompts = None if args.no_measure else _prompts(args, target)
@@ -67,6 +73,20 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(rep.to_dict(), indent=2) + "\n")
     return 0 if not failed else 1
+
+
+def _check_json_out(path: Path, inputs: dict) -> None:
+    """--json may replace only an earlier check report, and never sits in the checked folder (an
+    extra file there would make the folder an invalid export)."""
+    check_file(path, "--json")
+    check_apart(path, inputs, "--json")
+    if path.exists():
+        try:
+            old = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            old = None
+        if not (isinstance(old, dict) and {"folder", "format", "ok", "findings"} <= set(old)):
+            raise OutputError(f"--json {path} exists and is not an earlier check report; choose another file")
 
 
 def _prompts(args: argparse.Namespace, target) -> list[list[int]]:

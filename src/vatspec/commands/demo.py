@@ -12,16 +12,17 @@ import logging
 import sys
 from pathlib import Path
 
+from vatspec.commands import int_arg, report
 from vatspec.demo import SIZES, DemoError, DemoSize, run_demo
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="the ~3-minute smoke size (CI runs it)")
     parser.add_argument("--out", default="reports/demo", help="report folder (default: reports/demo)")
-    parser.add_argument("--steps", type=int, help="override the number of training steps")
-    parser.add_argument("--prompts", type=int, help="override the number of training conversations")
-    parser.add_argument("--eval-prompts", type=int, help="override prompts per benchmark")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--steps", type=int_arg(1), help="override the number of training steps")
+    parser.add_argument("--prompts", type=int_arg(2), help="override the number of training conversations")
+    parser.add_argument("--eval-prompts", type=int_arg(1), help="override prompts per benchmark")
+    parser.add_argument("--threads", type=int_arg(1), default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--no-progress", action="store_true")
 
 
@@ -30,8 +31,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         run_demo(Path(args.out), size_of(args), threads=args.threads, progress=not args.no_progress)
     except DemoError as e:
-        print(f"vatspec demo: {e}", file=sys.stderr)
-        return 1
+        return report("demo", e)
     return 0
 
 

@@ -16,9 +16,10 @@ from vatspec import benchmarks, data
 from vatspec.bench import evaluate, prompt_ids, write_report
 from vatspec.calibrate import calibrate
 from vatspec.checkpoint import CheckpointError
-from vatspec.commands import DTYPE_METAVAR, dtype_arg, report
+from vatspec.commands import DTYPE_METAVAR, dtype_arg, float_arg, int_arg, report
 from vatspec.data import DataError
 from vatspec.drafts import open_draft
+from vatspec.outputs import OutputError, check_apart, check_folder, claim_folder, mark_folder
 from vatspec.target import TargetError, open_target
 
 
@@ -30,48 +31,56 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="a bundled benchmark (repeatable; default: all, unless --prompts is given)")
     parser.add_argument("--prompts", action="append", default=[], metavar="FILE",
                         help="your own prompts (JSONL conversations); the file stem names the benchmark")
-    parser.add_argument("--num-prompts", type=int, default=None, help="first N prompts of each benchmark")
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--num-prompts", type=int_arg(1), default=None, help="first N prompts of each benchmark")
+    parser.add_argument("--temperature", type=float_arg(0.0), default=0.0)
+    parser.add_argument("--top-k", type=int_arg(0), default=0)
+    parser.add_argument("--top-p", type=float_arg(0.0, 1.0, above=True), default=1.0)
     parser.add_argument("--draft-argmax", action="store_true", help="draft by argmax at T > 0 (as vLLM)")
     parser.add_argument("--k", type=_k_arg, default=None,
                         help="drafted tokens per round (default: the drafter's), or 'auto': each method's k chosen "
                              "from its acceptance and the measured round cost on --calibration prompts")
     parser.add_argument("--calibration", metavar="FILE", default=None,
                         help="with --k auto: held-out prompts (JSONL conversations, never the evaluation set)")
-    parser.add_argument("--calibration-prompts", type=int, default=4, help="with --k auto: how many of them")
-    parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--warmup", type=int, default=1, help="prompts run untimed first")
+    parser.add_argument("--calibration-prompts", type=int_arg(1), default=4, help="with --k auto: how many of them")
+    parser.add_argument("--max-new-tokens", type=int_arg(1), default=256)
+    parser.add_argument("--warmup", type=int_arg(0), default=1, help="prompts run untimed first")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--exit-threshold", type=float, default=None, help="accept-head early exit")
+    parser.add_argument("--exit-threshold", type=float_arg(0.0, 1.0), default=None, help="accept-head early exit")
     parser.add_argument("--no-head", action="store_true", help="ignore saved accept heads")
     parser.add_argument("--relative-to", action="append", default=[], metavar="[METHOD=]BASE",
                         help="add Δ%% rows vs BASE: under every method, or under METHOD only (repeatable)")
     parser.add_argument("--no-hf", action="store_true", help="skip the HF generate() baseline")
     parser.add_argument("--no-plots", action="store_true")
-    parser.add_argument("--out", default="runs/eval", help="output folder")
+    parser.add_argument("--out", default="runs/eval", help="output folder (new, empty, or an earlier eval's)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="float32", type=dtype_arg, metavar=DTYPE_METAVAR)
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
+    parser.add_argument("--threads", type=int_arg(1), default=None, help="torch intra-op threads (CPU)")
 
 
 def run(args: argparse.Namespace) -> int:
     try:
         return _run(args)
-    except (CheckpointError, DataError, TargetError) as e:
+    except (CheckpointError, DataError, TargetError, OutputError, ValueError) as e:
         return report("eval", e)
 
 
 def _run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
+    # the report folder first: new, empty or an earlier eval's, and apart from every input
+    inputs = {f"--draft {s}": _parse_draft(s)[1] for s in args.draft}
+    inputs.update({f"--prompts {f}": f for f in args.prompts})
+    inputs.update({"--calibration": args.calibration, "--target": args.target if Path(args.target).exists() else None})
+    check_apart(args.out, inputs, "--out")
+    if _earlier_report(Path(args.out)):
+        mark_folder(args.out, "eval")
+    check_folder(args.out, "eval", "--out")
     target = open_target(args.target, device=args.device, dtype=args.dtype)
     methods = {}
     for spec in args.draft:
         name, path = _parse_draft(spec)
         if name in methods:
-            raise SystemExit(f"--draft: method name {name!r} given twice")
+            raise ValueError(f"--draft: method name {name!r} given twice")
         drafter, head = open_draft(path, target)
         methods[name] = (drafter, None if args.no_head else head)
     benches = args.bench or ([] if args.prompts else benchmarks.list_benchmarks())
@@ -83,7 +92,7 @@ def _run(args: argparse.Namespace) -> int:
     k, calibration = args.k, None
     if k == "auto":
         if not args.calibration:
-            raise SystemExit("vatspec eval: --k auto needs --calibration FILE (held-out prompts)")
+            raise ValueError("--k auto needs --calibration FILE (held-out prompts)")
         convs = data.load_conversations(args.calibration, require_assistant=False)[: args.calibration_prompts]
         ids = [prompt_ids(target.tokenizer, c) for c in convs]
         calibration = {name: calibrate(target, d, ids) for name, (d, _) in methods.items()}
@@ -96,10 +105,18 @@ def _run(args: argparse.Namespace) -> int:
     if calibration:
         results["calibration"] = {name: c.to_dict() for name, c in calibration.items()}
     results["config"]["drafts"] = dict(_parse_draft(s) for s in args.draft)
+    claim_folder(args.out, "eval")
     paths = write_report(results, args.out, _relative_to(args.relative_to, list(methods)), plots=not args.no_plots)
     print(paths["markdown"].read_text())
     print("wrote " + ", ".join(str(p) for p in paths.values()))
     return 0
+
+
+def _earlier_report(out: Path) -> bool:
+    """A report folder of an eval from before owner files: results.json, results.md and plots, nothing else."""
+    names = {p.name for p in out.iterdir()} if out.is_dir() else set()
+    return {"results.json", "results.md"} <= names and all(n.startswith("results.") or n.endswith(".png")
+                                                            for n in names)
 
 
 def _k_arg(text: str) -> int | str:
@@ -121,7 +138,7 @@ def _relative_to(specs: Sequence[str], methods: Sequence[str]) -> dict[str, str]
         method, sep, base = spec.rpartition("=")
         if sep:
             if method not in methods:
-                raise SystemExit(f"--relative-to {spec!r}: no method {method!r} (have {', '.join(methods)})")
+                raise ValueError(f"--relative-to {spec!r}: no method {method!r} (have {', '.join(methods)})")
             out[method] = base
         else:
             out.update({m: base for m in methods if m != base and m not in out})

@@ -15,6 +15,8 @@ from vatspec.drafts import open_draft
 from vatspec.export import DEFAULT_FORMAT, FORMATS, export_draft, to_vllm_ids
 from vatspec.export.formats import HEAD_DIR
 from vatspec.export.record import training_record
+from vatspec.export.validate import validate_export
+from vatspec.outputs import OutputError, check_apart
 from vatspec.target import TargetError, open_target
 
 
@@ -23,7 +25,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--format", choices=list(FORMATS), help="default: eagle3-hf for EAGLE-3, dflash for DFlash")
     parser.add_argument("--out", required=True, help="the folder to write (must not exist or be empty)")
     parser.add_argument("--target", help="target model folder; default: target.path of the checkpoint's config.yaml")
-    parser.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    parser.add_argument("--force", action="store_true", help="replace a non-empty --out made by an earlier export")
     parser.add_argument("--dtype", type=dtype_arg, metavar=DTYPE_METAVAR, help="weights dtype; default: as trained")
     parser.add_argument("--exit-threshold", type=float, help="accept-head early-exit threshold stored beside the draft")
     parser.add_argument("--k", "--speculative-tokens", dest="k", type=int,
@@ -36,17 +38,24 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
+        out = Path(args.out)
+        if not out.name:
+            out = out.resolve()  # `--out .`: the folder by its name
         target_path = args.target or _saved_target_path(args.checkpoint)
+        # never onto, into or around the draft or target being read; --force replaces only an export
+        check_apart(out, {"checkpoint": args.checkpoint, "--target": target_path}, "--out")
         target = open_target(target_path, device="meta")  # config and tokenizer: no weight is read
         drafter, head = open_draft(args.checkpoint, target, device="cpu")
+        if args.force and out.is_dir() and any(out.iterdir()):
+            _check_is_export(out)
         fmt = args.format or DEFAULT_FORMAT[drafter.kind]
         src = Path(args.checkpoint)
         from_run = (src / "drafter.safetensors").is_file() or (src / "latest").is_file()  # else a served draft
         training = training_record(resolve_checkpoint(src), drafter.k) if from_run else None
-        out = export_draft(drafter, target, args.out, fmt=fmt, head=head, exit_threshold=args.exit_threshold,
+        out = export_draft(drafter, target, out, fmt=fmt, head=head, exit_threshold=args.exit_threshold,
                            dtype=args.dtype, force=args.force, k=args.k,
                            verifier=args.verifier, training=training, mask_token_id=args.mask_token_id)
-    except (CheckpointError, TargetError, ValueError) as e:
+    except (CheckpointError, TargetError, OutputError, ValueError) as e:
         return report("export", e)
     ids = list(drafter.target_layer_ids)
     print(f"wrote a validated {fmt} draft to {out} (target {target_path})")
@@ -63,3 +72,13 @@ def _saved_target_path(path: str) -> str:
         return saved_config(path).target.path
     except CheckpointError as e:
         raise CheckpointError(f"{e}; pass --target") from e
+
+
+def _check_is_export(out: Path) -> None:
+    """``--force`` replaces an earlier export (a folder that validates as one), nothing else: an export
+    folder holds only the served files, so its content is the proof of what it is."""
+    try:
+        validate_export(out)
+    except Exception as e:  # a probe: whatever fails to validate is not an export
+        raise OutputError(f"--out {out} is not empty and is not an exported draft ({' '.join(str(e).split())[:160]}); "
+                          "--force replaces only an earlier export: choose another --out") from None

@@ -8,27 +8,29 @@ from __future__ import annotations
 
 import argparse
 import logging
+from pathlib import Path
 
-from vatspec.commands import DTYPE_METAVAR, dtype_arg
+from vatspec.commands import DTYPE_METAVAR, dtype_arg, float_arg, int_arg, report
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("input", help="conversations or prompts: .jsonl/.json/.parquet, a folder, a hub name, "
                                       "or bench:NAME for a bundled benchmark")
-    parser.add_argument("--out", required=True, help="output JSONL; appended to, and resumed if it exists")
+    parser.add_argument("--out", required=True, help="output JSONL; resumed if it is an earlier regenerate output "
+                                                     "(any other existing file is refused, never changed)")
     parser.add_argument("--target", default="default", help="local HF model folder, or 'default' (SmolLM2-135M)")
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--max-new-tokens", type=int, default=512)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--batch-size", type=int_arg(1), default=8)
+    parser.add_argument("--max-new-tokens", type=int_arg(1), default=512)
+    parser.add_argument("--temperature", type=float_arg(0.0), default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--top-p", type=float_arg(0.0, 1.0, above=True), default=1.0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-prompt-tokens", type=int, default=2048)
-    parser.add_argument("--limit", type=int, default=None, help="only the first N conversations")
+    parser.add_argument("--max-prompt-tokens", type=int_arg(1), default=2048)
+    parser.add_argument("--limit", type=int_arg(0), default=None, help="only the first N conversations")
     parser.add_argument("--skip-bad", action="store_true", help="skip (and count) bad input records")
     parser.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
     parser.add_argument("--dtype", default=None, type=dtype_arg, metavar=DTYPE_METAVAR,
                         help="default: bfloat16 on GPU, float32 on CPU")
-    parser.add_argument("--threads", type=int, default=None,
+    parser.add_argument("--threads", type=int_arg(1), default=None,
                         help="torch CPU threads; 1 is much faster on a CPU shared with other jobs")
 
 
@@ -37,26 +39,31 @@ def run(args: argparse.Namespace) -> int:
 
     from vatspec.benchmarks import load_benchmark
     from vatspec.data import DataError, load_conversations, regenerate
+    from vatspec.data.regen import is_regenerated
+    from vatspec.outputs import OutputError, check_apart, check_file, own_jsonl
     from vatspec.target import TargetError, open_target
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
+    read = {"bad": 0}
     try:
+        # the output first: an input, a folder or a file that is not an earlier regenerate output is
+        # refused before anything is read or written
+        inputs = {"input": args.input if Path(args.input).exists() else None,
+                  "--target": args.target if Path(args.target).exists() else None}
+        check_apart(check_file(args.out), inputs, "--out")
+        if Path(args.out).exists():
+            own_jsonl(args.out, is_regenerated, "--out", tail_prefix=b'{"id": ')
         if args.input.startswith("bench:"):
             convs = load_benchmark(args.input[len("bench:"):], turns="all")
         else:
-            convs = load_conversations(args.input, skip_bad=args.skip_bad, require_assistant=False)
-    except (DataError, KeyError) as e:
-        print(f"vatspec regenerate: {e}")
-        return 1
-    if args.limit is not None:
-        convs = convs[: args.limit]
-    try:
+            convs = load_conversations(args.input, skip_bad=args.skip_bad, require_assistant=False, stats=read)
+        if args.limit is not None:
+            convs = convs[: args.limit]
         target = open_target(args.target, device=args.device or "auto", dtype=args.dtype)
-    except TargetError as e:
-        print(f"vatspec regenerate: {e}")
-        return 1
+    except (DataError, OutputError, TargetError) as e:
+        return report("regenerate", e)
     stats = regenerate(
         convs,
         target,
@@ -71,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"wrote {stats.conversations} conversations ({stats.turns} turns, {stats.new_tokens} tokens, "
         f"{stats.tokens_per_s:.1f} tok/s) to {args.out}; {stats.skipped_done} already done, "
-        f"{stats.too_long} too long, {stats.truncated_turns} turns hit --max-new-tokens"
+        f"{stats.too_long} too long, {stats.truncated_turns} turns hit --max-new-tokens; {read['bad']} bad input "
+        "records skipped"
     )
     return 0

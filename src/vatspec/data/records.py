@@ -70,7 +70,8 @@ class Conversation:
 
 
 def load_conversations(
-    path_or_name: str | os.PathLike, *, skip_bad: bool = False, require_assistant: bool = True
+    path_or_name: str | os.PathLike, *, skip_bad: bool = False, require_assistant: bool = True,
+    stats: dict | None = None,
 ) -> list[Conversation]:
     """Read conversations from a file, a folder, or a hub dataset name (``name`` or ``name:split``).
 
@@ -78,14 +79,19 @@ def load_conversations(
     raise ``DataError`` naming the file and line, or are skipped and counted (one warning with
     the count and the first reason) when ``skip_bad``. A partial last line of a JSONL file (an
     interrupted write) is dropped with a warning. Ids missing from the data are ``<stem>-<n>``;
-    repeated ids get a ``#k`` suffix so that ids are unique.
+    repeated ids get a ``#k`` suffix so that ids are unique. ``stats`` (a dict) receives the counts:
+    ``records`` read, ``bad`` skipped, ``partial_last_line`` dropped, and the first bad reason.
+
+    A name that looks like a local path (``_looks_local``) and does not exist is a ``DataError`` at
+    once; only a name that cannot be a local path is asked of the hub.
     """
     p = Path(path_or_name)
+    info = {"partial_last_line": 0}
     if p.is_dir():
-        sources = _dir_sources(p)
+        sources = _dir_sources(p, info)
     elif p.is_file():
-        sources = [(str(p), _file_records(p))]
-    elif str(path_or_name).startswith((".", "/", "~")) or p.suffix in (".json", ".jsonl", ".parquet", ".gz"):
+        sources = [(str(p), _file_records(p, info))]
+    elif _looks_local(str(path_or_name)):
         raise DataError(f"{path_or_name}: no such file or folder")
     else:
         sources = [(str(path_or_name), _hub_records(str(path_or_name)))]
@@ -116,6 +122,10 @@ def load_conversations(
             raise DataError(f"{where}: empty: no records found")
     if bad:
         log.warning("skipped %d bad records (first: %s)", len(bad), bad[0])
+    if stats is not None:
+        stats.update(records=len(convs) + len(bad), bad=len(bad), **info)
+        if bad:
+            stats["first_bad"] = bad[0]
     if not convs:
         raise DataError(f"{path_or_name}: no valid conversations ({len(bad)} skipped)")
     return convs
@@ -190,25 +200,44 @@ def _text(x: object, where: str) -> str:
 Records = Iterator[tuple[object, object]]  # (line or row, record or DataError)
 
 
-def _file_records(p: Path) -> Records:
+DATA_SUFFIXES = (".json", ".jsonl", ".parquet", ".gz")
+
+
+def _looks_local(name: str) -> bool:
+    """A name meant as a local path: it starts with ``.``, ``/`` or ``~``, has a data file suffix, or has
+    a folder part that a hub id (``org/name``) cannot have: more than two parts, or a first part that
+    is a local folder (``data/trian``)."""
+    if name.startswith((".", "/", "~")) or Path(name).suffix in DATA_SUFFIXES:
+        return True
+    parts = Path(name.partition(":")[0]).parts
+    return len(parts) > 2 or (len(parts) == 2 and Path(parts[0]).is_dir()) or os.sep != "/" and os.sep in name
+
+
+def _file_records(p: Path, info: dict | None = None) -> Records:
     suffix = "".join(p.suffixes[-2:]) if p.suffix == ".gz" else p.suffix
     if suffix == ".parquet":
         return _parquet_records(p)
     if suffix in (".jsonl", ".jsonl.gz"):
-        return _jsonl_records(p)
+        return _jsonl_records(p, info)
     if suffix in (".json", ".json.gz"):
-        with _open_text(p) as f:
-            head = f.read(4096).lstrip()
+        try:
+            with _open_text(p) as f:
+                head = f.read(4096).lstrip()
+        except UnicodeDecodeError:
+            raise DataError(_not_utf8(p)) from None
         if head.startswith("["):
             return _json_array_records(p)
         if head.startswith("{"):
             # one object (possibly the whole file), or JSONL saved as .json
-            with _open_text(p) as f:
-                text = f.read()
+            try:
+                with _open_text(p) as f:
+                    text = f.read()
+            except UnicodeDecodeError:
+                raise DataError(_not_utf8(p)) from None
             try:
                 obj = json.loads(text)
             except json.JSONDecodeError:
-                return _jsonl_records(p)
+                return _jsonl_records(p, info)
             return iter([(1, obj)])
         return iter([] if not head else [(1, DataError(f"{p}:1: not JSON (expected '[' or '{{')"))])
     raise DataError(f"{p}: unsupported file type {suffix!r}; expected .jsonl, .json, .parquet (optionally .gz)")
@@ -222,9 +251,29 @@ def _open_text(p: Path):
     return open(p, encoding="utf-8")
 
 
-def _jsonl_records(p: Path) -> Records:
-    with _open_text(p) as f:
-        for i, line in enumerate(f, 1):
+def _not_utf8(p: Path) -> str:
+    """``FILE:LINE: not UTF-8 text`` for the first line of ``p`` that does not decode."""
+    import gzip
+
+    with (gzip.open(p, "rb") if p.suffix == ".gz" else open(p, "rb")) as f:
+        for i, raw in enumerate(f, 1):
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                return f"{p}:{i}: not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1})"
+    return f"{p}: not UTF-8 text"
+
+
+def _jsonl_records(p: Path, info: dict | None = None) -> Records:
+    import gzip
+
+    with (gzip.open(p, "rb") if p.suffix == ".gz" else open(p, "rb")) as f:
+        for i, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:  # one bad record: skip_bad skips it, as any other
+                yield i, DataError(f"{p}:{i}: not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1})")
+                continue
             if not line.strip():
                 continue
             try:
@@ -233,6 +282,8 @@ def _jsonl_records(p: Path) -> Records:
                 # A file written record by record ends with "\n": a last line without it is an interrupted write.
                 if not line.endswith("\n"):
                     log.warning("%s:%d: dropped a partial last line (an interrupted write?): %.60r", p, i, line)
+                    if info is not None:
+                        info["partial_last_line"] = info.get("partial_last_line", 0) + 1
                     return
                 yield i, DataError(f"{p}:{i}: malformed JSON ({e.msg} at column {e.colno})")
                 continue
@@ -240,8 +291,11 @@ def _jsonl_records(p: Path) -> Records:
 
 
 def _json_array_records(p: Path) -> Records:
-    with _open_text(p) as f:
-        yield from iter_json_array(f, str(p))
+    try:
+        with _open_text(p) as f:
+            yield from iter_json_array(f, str(p))
+    except UnicodeDecodeError:
+        raise DataError(_not_utf8(p)) from None
 
 
 def iter_json_array(f, where: str, *, tolerate_cut: bool = False, chunk: int = 1 << 20, info: dict | None = None):
@@ -324,14 +378,14 @@ def _parquet_records(p: Path) -> Records:
         yield f"row {i}", row
 
 
-def _dir_sources(d: Path) -> list[tuple[str, Records]]:
+def _dir_sources(d: Path, info: dict | None = None) -> list[tuple[str, Records]]:
     if any((d / n).is_file() for n in ("dataset_info.json", "state.json", "dataset_dict.json")):
         return [(str(d), _hf_rows(_import_datasets(str(d)).load_from_disk(str(d)), str(d)))]
     exts = (".parquet", ".jsonl", ".json", ".jsonl.gz", ".json.gz")
     files = sorted(q for q in d.iterdir() if q.is_file() and q.name.endswith(exts))
     if not files:
         raise DataError(f"{d}: a folder with no .jsonl/.json/.parquet files and not a datasets.save_to_disk folder")
-    return [(str(q), _file_records(q)) for q in files]
+    return [(str(q), _file_records(q, info)) for q in files]
 
 
 def _import_datasets(what: str):
@@ -358,6 +412,9 @@ def _hf_rows(ds, where: str) -> Records:
 def _hub_records(name: str) -> Records:
     datasets = _import_datasets(name)
     repo, _, split = name.partition(":")
+    if not _hub_reachable():  # fail at once, not after the hub client's retries
+        raise DataError(f"{name!r} is not a local file or folder, and the Hugging Face hub is not reachable "
+                        "from here; pass a local file (a path with its suffix, e.g. data/train.jsonl)")
     try:
         ds = datasets.load_dataset(repo, split=split or "train")
     except Exception as e:  # offline, unknown name, no such split: all say the same to a user
@@ -366,3 +423,19 @@ def _hub_records(name: str) -> Records:
             f"({type(e).__name__}: {str(e)[:200]}). Without network, pass a local file instead."
         ) from e
     return _hf_rows(ds, name)
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    """One connection attempt to the hub (``HF_ENDPOINT``); False offline (``HF_HUB_OFFLINE``,
+    ``HF_DATASETS_OFFLINE``) without trying."""
+    import socket
+    from urllib.parse import urlparse
+
+    if any(os.environ.get(k, "").lower() in ("1", "true", "yes") for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")):
+        return False
+    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    try:
+        socket.create_connection((url.hostname, url.port or 443), timeout=timeout).close()
+    except OSError:
+        return False
+    return True

@@ -15,6 +15,7 @@ import torch
 
 from vatspec.data.chat import require_template
 from vatspec.data.records import Conversation, DataError
+from vatspec.outputs import own_jsonl
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +58,9 @@ def regenerate(
     ``max_prompt_tokens``; if that is the first round it is not written (``too_long``).
 
     Resumable: each finished conversation is appended as one JSON line (flush + fsync); a
-    restart skips ids already in the file, after cutting off a partial last line.
+    restart skips ids already in the file, after cutting off a partial last line. An existing
+    ``out_path`` that is not this function's output (``is_regenerated``) is an ``OutputError``
+    before anything is written or cut.
     Conversations are batched ``batch_size`` at a time with left padding, longest prompts first.
     """
     from tqdm.auto import tqdm
@@ -166,21 +169,21 @@ def _regenerate_batch(convs, target, eos, pad_id, max_new_tokens, temperature, t
         yield Conversation(conv.id, history[j], conv.meta), finishes[j]
 
 
+def is_regenerated(rec) -> bool:
+    """A record ``regenerate`` writes: ``{"id", "messages": [...], "meta": {..., "finish": [...]}}``."""
+    return (isinstance(rec, dict) and isinstance(rec.get("id"), str) and isinstance(rec.get("messages"), list)
+            and isinstance(rec.get("meta"), dict) and isinstance(rec["meta"].get("finish"), list))
+
+
 def _resume_ids(path: Path) -> set[str]:
-    """Ids already written to ``path``; cuts off a partial last line left by an interrupted run."""
-    if not path.is_file():
+    """Ids already written to ``path``; cuts off a partial last line left by an interrupted run, once the
+    file is known to be regenerate's output."""
+    if not path.exists():
         return set()
-    with open(path, "rb+") as f:
-        data = f.read()
-        keep = data.rfind(b"\n") + 1
-        if keep < len(data):
-            log.warning("%s: cut off a partial last line (%d bytes) from an interrupted run", path, len(data) - keep)
+    records, keep = own_jsonl(path, is_regenerated, "--out", tail_prefix=b'{"id": ')
+    if keep < path.stat().st_size:
+        log.warning("%s: cut off a partial last line (%d bytes) from an interrupted run", path,
+                    path.stat().st_size - keep)
+        with open(path, "rb+") as f:
             f.truncate(keep)
-    done = set()
-    for i, line in enumerate(data[:keep].decode("utf-8").split("\n"), 1):
-        if line.strip():
-            try:
-                done.add(str(json.loads(line)["id"]))
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise DataError(f"{path}:{i}: not a regenerated record ({e}); refusing to append to it") from None
-    return done
+    return {r["id"] for r in records}

@@ -1,0 +1,199 @@
+"""The one GPU check: real-scale shapes on one GPU, no network, nothing but this repository.
+
+    PYTHONPATH=src python3 scripts/gpu_check.py --out gpu_check.json      # scripts/gpu_check.sh runs this
+    PYTHONPATH=src python3 scripts/gpu_check.py --small --device cpu      # the same code on tiny shapes
+
+For each target built in code with random weights (a Llama-3-8B-shaped one, vocab 128256, and a
+Qwen3-8B-shaped one, vocab 151936; bf16 on the GPU), it trains EAGLE-3 and DFlash, each with its
+baseline loss and with VAT, for ``--steps`` steps through the training step the trainer runs
+(``vatspec.train.arm_step`` after one shared target pass), with bf16 autocast and float32 weights
+and optimizer state (``train.precision=bf16``). Per arm it prints step time, tokens/s and peak GPU memory, and the VAT /
+baseline step-time ratio per drafter. Then it decodes a few random prompts greedily with each
+trained draft and checks the output equals Hugging Face ``generate`` on the same target. One JSON
+holds everything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from vatspec.config import load_config
+from vatspec.data.batching import Batch
+from vatspec.decode import generate
+from vatspec.drafters import build_drafter, plan_batch
+from vatspec.target import Target
+from vatspec.train import TrainModule, arm_step, precision_context, shared_target_pass, step_generator
+
+# (name, transformers config class, fields): the published 8B geometries; weights are random
+TARGETS = {
+    "llama3-8b-shaped": ("LlamaConfig", dict(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, rope_theta=500000.0, max_position_embeddings=8192, rms_norm_eps=1e-5)),
+    "qwen3-8b-shaped": ("Qwen3Config", dict(
+        vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, rope_theta=1000000.0, max_position_embeddings=8192, rms_norm_eps=1e-6)),
+}
+SMALL = dict(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16)
+# (drafter kind, the loss of its paper, sequence length, drafter overrides)
+ARMS = {
+    "eagle3": ("eagle3", ["drafter.ttt_steps=7", "drafter.draft_vocab_size=32000"]),
+    "dflash": ("dflash", ["drafter.block_size=16", "drafter.num_anchors=256", "drafter.num_layers=5"]),
+}
+
+
+def build_target(name: str, device: torch.device, dtype: torch.dtype, small: bool) -> Target:
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    cls_name, fields = TARGETS[name]
+    if small:
+        fields = {**fields, **SMALL}
+    cfg = getattr(transformers, cls_name)(**fields, tie_word_embeddings=False, bos_token_id=1, eos_token_id=None,
+                                          pad_token_id=0)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    model.generation_config.eos_token_id = None  # random weights: decode the full length
+    model.generation_config.pad_token_id = 0
+    return Target(model, tokenizer=None)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def train_arm(target: Target, kind: str, loss: str, args, device: torch.device) -> dict:
+    """``args.steps`` timed steps (after ``args.warmup``) of one arm on random token batches."""
+    small_vocab = ["drafter.draft_vocab_size=1024"] if args.small and kind == "eagle3" else []
+    small_dflash = ["drafter.num_anchors=16", "drafter.num_layers=1"] if args.small and kind == "dflash" else []
+    cfg = load_config(None, [f"drafter.kind={kind}", f"loss.kind={loss}", *ARMS[kind][1], *small_vocab,
+                             *small_dflash])
+    torch.manual_seed(cfg.train.seed)
+    drafter = build_drafter(cfg.drafter, target).to(device)
+    head = None
+    if cfg.loss.head:
+        from vatspec.drafters.base import AcceptHead
+
+        head = AcceptHead(drafter.hidden_size).to(device)
+    module = TrainModule(drafter, head).train()
+    opt = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=1e-4)
+    B, T = args.batch_size, args.seq_len
+    g = torch.Generator().manual_seed(0)
+    autocast = precision_context(device, args.precision)  # what train.precision=bf16 runs
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    times, losses = [], []
+    for step in range(args.warmup + args.steps):
+        ids = torch.randint(3, target.vocab_size, (B, T), generator=g).to(device)
+        batch = Batch(ids, torch.ones_like(ids), torch.ones_like(ids, dtype=torch.bool))
+        gen = step_generator(cfg.train.seed, step, 0, 0, device)
+        sync(device)
+        t0 = time.perf_counter()
+        with autocast:
+            plan = plan_batch(drafter, batch, cfg.drafter, gen)
+            tout = shared_target_pass(target, batch, [drafter], [plan])[0]
+            res = arm_step(module, drafter, batch, tout, plan, cfg.loss, gen)
+        res.loss.backward()
+        torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sync(device)
+        if step >= args.warmup:
+            times.append(time.perf_counter() - t0)
+        losses.append(float(res.loss))
+    step_s = sorted(times)[len(times) // 2]
+    out = {"kind": kind, "loss": loss, "batch": [B, T], "step_s_median": step_s, "tokens_per_s": B * T / step_s,
+           "losses": losses, "finite": all(torch.isfinite(torch.tensor(losses)).tolist()),
+           "draft_params_m": sum(p.numel() for p in module.parameters()) / 1e6}
+    if device.type == "cuda":
+        out["peak_gpu_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    out["_drafter"] = drafter.eval()
+    return out
+
+
+def decode_check(target: Target, drafter, args, device: torch.device) -> dict:
+    """Greedy speculative decoding vs HF generate on random prompts: equal tokens (lossless)."""
+    g = torch.Generator().manual_seed(1)
+    equal, n = 0, args.decode_prompts
+    taus = []
+    for _ in range(n):
+        prompt = torch.randint(3, target.vocab_size, (1, 24), generator=g).to(device)
+        with torch.no_grad():
+            hf = target.model.generate(prompt, max_new_tokens=args.decode_tokens, do_sample=False,
+                                       attention_mask=torch.ones_like(prompt))[0, prompt.shape[1]:].tolist()
+        ours = generate(target, prompt[0], drafter, max_new_tokens=args.decode_tokens)
+        equal += ours.tokens == hf
+        taus.append(ours.tau)
+    return {"prompts": n, "equal_to_hf_generate": equal, "tau": sum(taus) / n}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="gpu_check.json")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke test of the same code)")
+    p.add_argument("--targets", default=",".join(TARGETS))
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--precision", choices=["bf16", "fp32"], default=None, help="default: bf16 on a GPU")
+    p.add_argument("--decode-prompts", type=int, default=3)
+    p.add_argument("--decode-tokens", type=int, default=48)
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    args.precision = args.precision or ("bf16" if device.type == "cuda" else "fp32")
+    if args.small:
+        args.seq_len = min(args.seq_len, 96)
+    report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
+              "torch": torch.__version__, "precision": args.precision, "small": args.small, "targets": {}}
+    t_start = time.perf_counter()
+    for name in args.targets.split(","):
+        target_dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
+        target = build_target(name, device, target_dtype, args.small)
+        res: dict = {"vocab_size": target.vocab_size, "layers": target.num_layers, "arms": {}}
+        for kind, (baseline, _) in ARMS.items():
+            for loss in (baseline, "vat"):
+                arm = train_arm(target, kind, loss, args, device)
+                drafter = arm.pop("_drafter")
+                if loss == "vat":
+                    arm["decode"] = decode_check(target, drafter, args, device)
+                res["arms"][f"{kind}/{loss}"] = arm
+                print(f"{name} {kind}/{loss}: step {arm['step_s_median'] * 1e3:.1f} ms, "
+                      f"{arm['tokens_per_s']:.0f} tok/s, peak {arm.get('peak_gpu_mem_gib', float('nan')):.1f} GiB, "
+                      f"finite losses {arm['finite']}" + (f", decode equal {arm['decode']['equal_to_hf_generate']}/"
+                                                          f"{arm['decode']['prompts']}" if "decode" in arm else ""),
+                      flush=True)
+                del drafter
+                gc.collect()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+            a = res["arms"]
+            res[f"{kind}_vat_over_baseline_step_time"] = (a[f"{kind}/vat"]["step_s_median"]
+                                                         / a[f"{kind}/{baseline}"]["step_s_median"])
+            print(f"{name} {kind}: VAT / baseline step time {res[f'{kind}_vat_over_baseline_step_time']:.3f}")
+        report["targets"][name] = res
+        del target
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    report["wall_s"] = time.perf_counter() - t_start
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.out} ({report['wall_s']:.0f} s)")
+    ok = all(arm["finite"] and arm.get("decode", {}).get("equal_to_hf_generate", 1) == arm.get("decode", {}).get(
+        "prompts", 1) for t in report["targets"].values() for arm in t["arms"].values())
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

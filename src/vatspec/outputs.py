@@ -1,0 +1,131 @@
+"""Output locations: where a command may write.
+
+A command writes into a folder only if it made that folder (or found it empty), never over a file
+or folder it did not create, and never onto, into or around one of its inputs. A folder a command
+made holds ``.vatspec-owner`` (``{"command": ..., "created": ...}``): the proof, on the next run,
+that the command may write there again. A file output proves itself by its content (a JSONL file
+of the command's own records); the commands that write one check that before touching it.
+
+    check_apart(out, {"--draft": "runs/e3"}, "--out")   # raises OutputError if they overlap
+    check_folder(out, "eval", "--out")                  # before any work: empty, absent or ours
+    claim_folder(out, "eval")                           # when the first file is written
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+OWNER = ".vatspec-owner"
+
+
+class OutputError(ValueError):
+    """An output location that would damage a file, a folder or an input the command does not own."""
+
+
+def _real(path: str | os.PathLike) -> Path:
+    return Path(path).expanduser().resolve()
+
+
+def check_apart(out: str | os.PathLike, inputs: Mapping[str, str | os.PathLike | None], what: str) -> None:
+    """``out`` is not one of ``inputs`` (name -> path), not inside one, and holds none of them."""
+    o = _real(out)
+    for name, path in inputs.items():
+        if not path:
+            continue
+        i = _real(path)
+        if o == i:
+            raise OutputError(f"{what} {out} is the input {name} {path}; choose another {what}")
+        if o.is_relative_to(i):
+            raise OutputError(f"{what} {out} is inside the input {name} {path}; choose another {what}")
+        if i.is_relative_to(o):
+            raise OutputError(f"{what} {out} holds the input {name} {path}; choose another {what}")
+
+
+def owner(folder: str | os.PathLike) -> str | None:
+    """The command that made ``folder`` (its ``.vatspec-owner``), or None."""
+    try:
+        return str(json.loads((Path(folder) / OWNER).read_text(encoding="utf-8"))["command"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def check_folder(folder: str | os.PathLike, command: str, what: str = "--out") -> None:
+    """``folder`` is absent, an empty folder, or one made by ``command``: anything else is an
+    ``OutputError`` naming it, raised before the command does any work."""
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise OutputError(f"{what} {folder} exists and is not a folder")
+    for parent in folder.parents:
+        if parent.exists() and not parent.is_dir():
+            raise OutputError(f"{what} {folder}: {parent} is a file, not a folder")
+    if folder.is_dir() and any(folder.iterdir()) and owner(folder) != command:
+        made = owner(folder)
+        by = f"was made by vatspec {made}" if made else f"was not made by vatspec {command} (no {OWNER})"
+        raise OutputError(f"{what} {folder} is not empty and {by}; choose another {what} or empty it yourself")
+
+
+def claim_folder(folder: str | os.PathLike, command: str) -> Path:
+    """Create ``folder`` (parents too) if needed and mark it as made by ``command``; checked first."""
+    folder = Path(folder)
+    check_folder(folder, command)
+    folder.mkdir(parents=True, exist_ok=True)
+    mark_folder(folder, command)
+    return folder
+
+
+def mark_folder(folder: str | os.PathLike, command: str) -> None:
+    """Write ``folder``'s ``.vatspec-owner``: made by ``command`` (kept if it says so already)."""
+    if owner(folder) != command:
+        text = json.dumps({"command": command, "created": time.strftime("%Y-%m-%dT%H:%M:%S")})
+        (Path(folder) / OWNER).write_text(text)
+
+
+def check_file(path: str | os.PathLike, what: str = "--out") -> Path:
+    """``path`` can be a file: not a folder, not ``.``, its parents not files."""
+    path = Path(path)
+    if not path.name or path.is_dir():
+        raise OutputError(f"{what} {path} is a folder; expected a file name")
+    for parent in path.parents:
+        if parent.exists() and not parent.is_dir():
+            raise OutputError(f"{what} {path}: {parent} is a file, not a folder")
+    return path
+
+
+def own_jsonl(path: str | os.PathLike, ours, what: str, *, tail_prefix: bytes | None = None) -> tuple[list, int]:
+    """The records of ``path``, which must be an earlier output of the caller: every complete line a
+    JSON object that ``ours(record)`` accepts. Returns ``(records, length)``, ``length`` the bytes of the
+    complete lines. A last line without its newline is allowed only when it looks like an interrupted
+    write of the caller's: it starts with ``tail_prefix`` (how the caller's records start) and is not
+    complete JSON; the caller may then cut it. Anything else is an ``OutputError`` naming the file and
+    line, raised before the file is touched."""
+    path = Path(path)
+    data = path.read_bytes()
+    length = data.rfind(b"\n") + 1
+    tail = data[length:]
+    if tail and not (tail_prefix is not None and tail.startswith(tail_prefix) and not _is_json(tail)):
+        raise OutputError(f"{what} {path} ends in a line that is not one of vatspec's records; it is not this "
+                          "command's output, so it is left as it is: choose another output file")
+    records = []
+    for i, line in enumerate(data[:length].split(b"\n")[:-1], 1):
+        try:
+            rec = json.loads(line.decode("utf-8"))
+            good = ours(rec)
+        except (ValueError, KeyError, TypeError, AttributeError):
+            good = False
+        if not good:
+            raise OutputError(f"{what} {path}:{i}: not a record this command writes; the file is not its "
+                              "output, so it is left as it is: choose another output file")
+        records.append(rec)
+    return records, length
+
+
+def _is_json(raw: bytes) -> bool:
+    try:
+        json.loads(raw.decode("utf-8"))
+    except ValueError:  # UnicodeDecodeError and JSONDecodeError both
+        return False
+    return True

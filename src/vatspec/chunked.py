@@ -6,18 +6,19 @@ a padded copy), the soft labels [N, Vd], their log-softmax, and in backward two 
 buffers, all float32: at V = 152k, DFlash with 512 anchors x block 16 is 4.7 GB each.
 
 Here the drafter returns its last hidden state [N, H] with its lm_head weight [Vd, H] instead of
-logits, and the target's logits as the rows the target computed [P, V] with an index per position
-(P target positions; EAGLE-3's k steps and DFlash's overlapping blocks share rows). Then:
+logits, and the target's rows with an index per position (P target positions; EAGLE-3's k steps and
+DFlash's overlapping blocks share rows): its final hidden state [P, H_t] with ``Target.logits`` to
+turn it into logits (the loop runs the target without logits), or logits [P, V] it already has. Then:
 
-1. teacher (no grad), over the P' rows the supervised positions read, in chunks: the target argmax
-   [P'] and, for the soft term, the target softmax over the draft vocabulary [P', Vd] (EAGLE-3: the
-   ``t2d`` columns, renormalised; DFlash: all V). Never [N, k, V].
+1. teacher (no grad), over the P' rows the supervised positions read, in chunks: the target's
+   logits, its argmax [P'] and, for the soft term, its softmax over the draft vocabulary [P', Vd]
+   (EAGLE-3: the ``t2d`` columns, renormalised; DFlash: all V). Never [N, V] or [B, T, V].
 2. one pass over the N' kept positions (the valid ones; every one in sampled mode, whose draws walk
    every position as ``simulate_verification`` does), C rows at a time: ``x = h W^T`` in float32,
    the draft argmax, the soft and hard CE, and (sampled / expected) ``verify.position_stats``.
 3. backward (``_ChunkedHeadCE``): recompute x per chunk and hand
    ``dx = (gs + gh) softmax(x) - gs p - gh onehot`` (``losses._TokenCE``'s gradient) to the matmuls
-   ``dh = dx W``, ``dW += dx^T h``. Nothing of width V outlives its chunk.
+   ``dh = dx W``, ``dW += dx^T h``. Nothing of width V outlives its chunk but DFlash's [P', V] teacher.
 
 The per-position results ([..., k] CE with grad, draft argmax, a ``Verification``) feed
 ``losses.vat_objective`` and ``metrics.chain_metrics`` unchanged, so weights and reduction are

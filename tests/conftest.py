@@ -19,6 +19,16 @@ def tiny_llama(vocab_size: int = 96, hidden_size: int = 32, layers: int = 6, see
     return LlamaForCausalLM(cfg).eval()
 
 
+# 24 short chat conversations for training runs on tiny targets (the answer is a count, so it is learnable)
+COUNT_CONVS = [
+    {"id": f"c{i}", "conversations": [
+        {"from": "human", "value": f"Count from {i} to {i + 5}, please."},
+        {"from": "gpt", "value": " ".join(str(j) for j in range(i, i + 6)) + ". Done counting."},
+    ]}
+    for i in range(24)
+]
+
+
 class StubTokenizer:
     """What decoding and the drafters read from a tokenizer; tiny test models need no text."""
 

@@ -219,6 +219,20 @@ def vllm_aux_layers(c: dict) -> list[int] | None:
     return list(ids) if ids else None
 
 
+def _dflash_layers(c: dict, prefix: str) -> dict[str, Param]:
+    """The Qwen3-style DFlash decoder layers both engines build (fused qkv and gate_up, q/k norms)."""
+    H_, I, nh, nkv, hd = _geometry(c)
+    p: dict[str, Param] = {}
+    for i in range(c["num_hidden_layers"]):
+        pre = f"{prefix}layers.{i}."
+        p |= {pre + "self_attn.qkv_proj.weight": _qkv(nh, nkv, hd, H_),
+              pre + "self_attn.o_proj.weight": Param((H_, nh * hd)),
+              pre + "self_attn.q_norm.weight": Param((hd,)), pre + "self_attn.k_norm.weight": Param((hd,)),
+              pre + "mlp.gate_up_proj.weight": _gate_up(I, H_), pre + "mlp.down_proj.weight": Param((H_, I)),
+              pre + "input_layernorm.weight": Param((H_,)), pre + "post_attention_layernorm.weight": Param((H_,))}
+    return p
+
+
 # vllm-project/vllm vllm/model_executor/models/qwen3_dflash.py @ 036a00d1f5d00d449d02dce9babdd15a5b4d06c9
 #   DFlashQwen3Attention (qkv_proj [(nh + 2 nkv) hd, H], o_proj, per-head q_norm / k_norm [hd]),
 #   DFlashQwen3DecoderLayer (Qwen3MLP = Qwen2MLP: gate_up_proj, down_proj; two norms),
@@ -241,13 +255,7 @@ def vllm_dflash_params(c: dict, target_vocab: int) -> dict[str, Param]:
         p["model.fc.weight"] = Param((H_, Ht * (len(aux) if aux else c["num_hidden_layers"])))
     if Vd != target_vocab:
         p["draft_id_to_target_id"] = Param((Vd,), integer=True)
-    for i in range(c["num_hidden_layers"]):
-        pre = f"model.layers.{i}."
-        p |= {pre + "self_attn.qkv_proj.weight": _qkv(nh, nkv, hd, H_),
-              pre + "self_attn.o_proj.weight": Param((H_, nh * hd)),
-              pre + "self_attn.q_norm.weight": Param((hd,)), pre + "self_attn.k_norm.weight": Param((hd,)),
-              pre + "mlp.gate_up_proj.weight": _gate_up(I, H_), pre + "mlp.down_proj.weight": Param((H_, I)),
-              pre + "input_layernorm.weight": Param((H_,)), pre + "post_attention_layernorm.weight": Param((H_,))}
+    p |= _dflash_layers(c, "model.")
     return p
 
 
@@ -310,13 +318,7 @@ def sglang_dflash_params(c: dict) -> dict[str, Param]:
     H_, I, nh, nkv, hd = _geometry(c)
     p = {"norm.weight": Param((H_,)), "hidden_norm.weight": Param((H_,)),
          "fc.weight": Param((H_, len(sglang_dflash_layer_ids(c)) * H_))}
-    for i in range(c["num_hidden_layers"]):
-        pre = f"layers.{i}."
-        p |= {pre + "self_attn.qkv_proj.weight": _qkv(nh, nkv, hd, H_),
-              pre + "self_attn.o_proj.weight": Param((H_, nh * hd)),
-              pre + "self_attn.q_norm.weight": Param((hd,)), pre + "self_attn.k_norm.weight": Param((hd,)),
-              pre + "mlp.gate_up_proj.weight": _gate_up(I, H_), pre + "mlp.down_proj.weight": Param((H_, I)),
-              pre + "input_layernorm.weight": Param((H_,)), pre + "post_attention_layernorm.weight": Param((H_,))}
+    p |= _dflash_layers(c, "")
     return p
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import tiny_llama
+from tests.conftest import COUNT_CONVS, tiny_llama
 from vatspec.config import load_config
 from vatspec.features import FeatureCache, FeatureCacheError, finalize_cache, plan_shards, write_cache
 from vatspec.target import Target
@@ -18,13 +18,7 @@ from vatspec.train import train_arms
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-CONVS = [
-    {"id": f"c{i}", "conversations": [
-        {"from": "human", "value": f"Count from {i} to {i + 5}, please."},
-        {"from": "gpt", "value": " ".join(str(j) for j in range(i, i + 6)) + ". Done counting."},
-    ]}
-    for i in range(24)
-]
+CONVS = COUNT_CONVS
 LAYERS = [1, 2, 3]  # covers both drafters on a 6-layer target: eagle3 (1, 2, 2), dflash [3]
 # Online and cached runs see the same batches; the features differ only by the float rounding of
 # a forward over another batch composition (the cache pads each shard's batches differently).

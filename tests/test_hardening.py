@@ -22,19 +22,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.conftest import COUNT_CONVS
 from vatspec.cli import main
 from vatspec.config import load_config
 from vatspec.train import heldout_split, train
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-CONVS = [
-    {"id": f"c{i}", "conversations": [
-        {"from": "human", "value": f"Count from {i} to {i + 5}, please."},
-        {"from": "gpt", "value": " ".join(str(j) for j in range(i, i + 6)) + ". Done counting."},
-    ]}
-    for i in range(24)
-]
+CONVS = COUNT_CONVS
 TINY = ["data.batch_size=2", "data.max_length=64", "drafter.draft_vocab_size=256", "drafter.ttt_steps=3",
         "drafter.block_size=4", "drafter.num_anchors=4", "optim.lr=1e-3"]
 

@@ -11,17 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import tiny_llama
+from tests.conftest import COUNT_CONVS, tiny_llama
 from vatspec.config import load_config
 from vatspec.train import TrainError, train, train_arms
 
-CONVS = [
-    {"id": f"c{i}", "conversations": [
-        {"from": "human", "value": f"Count from {i} to {i + 5}, please."},
-        {"from": "gpt", "value": " ".join(str(j) for j in range(i, i + 6)) + ". Done counting."},
-    ]}
-    for i in range(24)
-]
+CONVS = COUNT_CONVS
 
 
 @pytest.fixture(scope="module")

@@ -112,7 +112,8 @@ def train_arm(target: Target, kind: str, loss: str, args, device: torch.device) 
             times.append(time.perf_counter() - t0)
         losses.append(float(res.loss))
     step_s = sorted(times)[len(times) // 2]
-    out = {"kind": kind, "loss": loss, "batch": [B, T], "chunk_size": cfg.loss.chunk_size, "step_s_median": step_s, "tokens_per_s": B * T / step_s,
+    out = {"kind": kind, "loss": loss, "batch": [B, T], "chunk_size": cfg.loss.chunk_size,
+           "step_s_median": step_s, "tokens_per_s": B * T / step_s,
            "losses": losses, "finite": all(torch.isfinite(torch.tensor(losses)).tolist()),
            "draft_params_m": sum(p.numel() for p in module.parameters()) / 1e6}
     if device.type == "cuda":

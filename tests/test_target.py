@@ -173,3 +173,29 @@ def test_skinny_linear_equals_f_linear_with_grad(shape, bias):
     (gx,) = torch.autograd.grad(got.square().sum(), x)
     (rx,) = torch.autograd.grad(ref.square().sum(), x)
     assert torch.allclose(gx, rx, atol=1e-4)
+
+
+def test_heads_only_target_reads_just_the_embedding_and_lm_head(tmp_path):
+    """What training from a feature cache loads: the embedding and lm_head equal the full target's
+    (tied or not), the decoder layers hold no weights, and the folder hash is the full target's."""
+    from tests.conftest import tiny_llama
+    from vatspec.features.format import weights_sha256
+    from vatspec.target import Target, _heads_only_model
+
+    for tie in (True, False):
+        model = tiny_llama(vocab_size=96, hidden_size=32, layers=4)
+        model.config.tie_word_embeddings = tie
+        if not tie:
+            model.lm_head.weight = torch.nn.Parameter(torch.randn(96, 32))
+        folder = tmp_path / f"tie{tie}"
+        model.save_pretrained(folder)
+        full = Target(model, None, folder)
+        ho = Target(_heads_only_model(model.config, folder, torch.float32, torch.device("cpu")), None, folder)
+        assert torch.equal(ho.embed_tokens.weight, full.embed_tokens.weight)
+        assert torch.equal(ho.lm_head.weight, full.lm_head.weight)
+        assert (ho.lm_head.weight is ho.embed_tokens.weight) == tie
+        h = torch.randn(3, 32)
+        assert torch.equal(ho.logits(h), full.logits(h))
+        real = {n for n, p in ho.model.named_parameters() if p.device.type != "meta"}
+        assert real <= {"model.embed_tokens.weight", "lm_head.weight"}
+        assert weights_sha256(ho) == weights_sha256(full)

@@ -91,6 +91,7 @@ def open_target(
     device: str | torch.device | None = "auto",
     dtype: str | torch.dtype | None = None,
     device_map: str | None = None,
+    heads_only: bool = False,
 ) -> Target:
     """The one way a command opens a target.
 
@@ -111,7 +112,7 @@ def open_target(
     except ValueError as e:
         raise TargetError(str(e)) from None
     folder = prepare_default_target() if path is None or str(path) in DEFAULT_ALIASES else Path(path)
-    return Target.from_pretrained(folder, dtype=dt, device=dev, device_map=device_map)
+    return Target.from_pretrained(folder, dtype=dt, device=dev, device_map=device_map, heads_only=heads_only)
 
 
 @dataclass
@@ -158,13 +159,16 @@ class Target:
     @classmethod
     def from_pretrained(
         cls, path: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-        device_map: str | dict | None = None,
+        device_map: str | dict | None = None, heads_only: bool = False,
     ) -> Target:
         """Load any local Hugging Face causal-LM folder (Llama, Qwen3, Gemma3, ...).
 
         On the ``meta`` device no weight is read: the modules are built from config.json, which is
         all an export needs (sizes, layer count, model family, tokenizer). With ``device_map`` the
-        model is spread by accelerate instead of moved to ``device``."""
+        model is spread by accelerate instead of moved to ``device``. ``heads_only``: only the input
+        embedding and the lm_head are read (to ``device``); the decoder layers stay weightless on
+        ``meta``. That is all training from a feature cache runs, so a target larger than the
+        training device still trains its drafts there; its forward cannot run."""
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
         path = Path(path)
@@ -185,6 +189,8 @@ class Target:
             elif torch.device(device).type == "meta":
                 with torch.device("meta"):
                     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+            elif heads_only:
+                model = _heads_only_model(config, path, dtype, torch.device(device))
             else:
                 model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
         except ValueError as e:  # an unknown mapping raises ValueError in transformers
@@ -331,6 +337,35 @@ def skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     if bias is not None:
         out = out + bias
     return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _heads_only_model(config, folder: Path, dtype: torch.dtype, device: torch.device):
+    """The model of ``config`` with its parameters on ``meta`` but the input embedding and the lm_head,
+    read from the folder's safetensors. Buffers are built for real (a Gemma embedding's scale, RoPE
+    tables), so the embedding and ``Target.logits`` compute as in the full model."""
+    from accelerate import init_empty_weights
+    from accelerate.utils import set_module_tensor_to_device
+    from transformers import AutoModelForCausalLM
+
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    module_names = {id(m): n for n, m in model.named_modules()}
+    emb_name, head_name = f"{module_names[id(emb)]}.weight", f"{module_names[id(head)]}.weight"
+    wanted = {emb_name, head_name}
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for name in wanted & set(f.keys()):  # noqa: SIM118 (a safetensors handle, not a dict)
+                set_module_tensor_to_device(model, name, device, value=f.get_tensor(name).to(dtype))
+                wanted.discard(name)
+    if head_name in wanted and getattr(model.config, "tie_word_embeddings", False):
+        head.weight = emb.weight  # tied: the lm_head is the embedding, stored once
+        wanted.discard(head_name)
+    if wanted:
+        raise TargetError(f"{folder}: no safetensors file holds {sorted(wanted)}")
+    for name, buf in list(model.named_buffers()):
+        set_module_tensor_to_device(model, name, device, value=buf)
+    return model
 
 
 def _first_line(e: BaseException) -> str:

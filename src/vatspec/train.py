@@ -319,8 +319,9 @@ def train_arms(cfgs: list[Config], *, resume: bool = False, init_from: str | Non
         convs = D.load_conversations(dcfg.train, skip_bad=dcfg.skip_bad, stats=read)
     else:
         convs = None
-    if target is None:
-        target = open_target(base.target.path, device=device, dtype=base.target.dtype)
+    if target is None:  # from a cache the target's layers never run: its embedding and lm_head are all it reads
+        target = open_target(base.target.path, device=device, dtype=base.target.dtype,
+                             heads_only=bool(dcfg.features))
     tok = target.tokenizer
     train_cache = _open_cache(dcfg.features, "data.features", target, cfgs, convs) if dcfg.features else None
     held_cache = train_cache

@@ -385,3 +385,17 @@ def test_fsdp_two_cpu_processes_train_as_ddp_and_resume_across_the_switch(tiny_t
         w = _final_weights(run)
         assert all(torch.allclose(w[k], wd[k], atol=WEIGHT_ATOL) for k in wd), (first, second)
         assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+
+
+def test_a_device_map_target_trains_as_the_plain_load(tiny_target_dir, data_file, tmp_path):
+    """target.device_map=auto (accelerate spreads the layers over the visible GPUs; on this CPU-only
+    machine all of them land on the CPU): the target outputs are brought to the drafter's device and
+    the run equals the plain load's. The moves between GPUs themselves have not run here."""
+    runs = {}
+    for name, extra in (("plain", []), ("mapped", ["target.device_map=auto"])):
+        runs[name] = tmp_path / name
+        for kind in ("eagle3", "dflash"):
+            train(_cfg(tiny_target_dir, data_file, runs[name] / kind, f"drafter.kind={kind}", "loss.kind=vat",
+                       "drafter.mask_token_id=16", *extra), progress=False)
+    for kind in ("eagle3", "dflash"):
+        assert _losses(runs["mapped"] / kind) == _losses(runs["plain"] / kind)

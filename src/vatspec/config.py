@@ -36,6 +36,10 @@ class TargetConfig:
     path: str = "default"  # "default" = embedded SmolLM2-135M-Instruct, else a local HF folder
     dtype: str = "float32"  # float32 | bfloat16 | float16 (fp32, bf16, fp16 are stored as these)
     device: str = "auto"  # auto = cuda if available, else cpu
+    # a target larger than one GPU, trained online (data.train): accelerate's device_map ("auto",
+    # "balanced", ...) spreads its layers over the visible GPUs; the drafter trains on target.device.
+    # One process only; from a feature cache it is not needed (only the embedding and lm_head load).
+    device_map: str | None = None
 
     def __post_init__(self):
         from vatspec.target import device_name, dtype_name

@@ -308,7 +308,8 @@ class Target:
 
         Applies the model's final logit soft-capping where the architecture has one (Gemma).
         """
-        lg = skinny_linear(hidden, self.lm_head.weight, self.lm_head.bias).float()
+        w = self.lm_head.weight  # on the last device of a device_map: the logits come back to hidden's
+        lg = skinny_linear(hidden.to(w.device), w, self.lm_head.bias).float().to(hidden.device)
         cap = getattr(self.config, "final_logit_softcapping", None)
         if cap:
             lg = torch.tanh(lg / cap) * cap

@@ -121,7 +121,9 @@ def shared_target_pass(target, batch, drafters, plans) -> list[TargetOutput]:
                 logits = logits[plan.logits_at]  # [N, V] rows this drafter asked for
             elif not torch.equal(plan.logits_at, union):
                 logits = logits[plan.logits_at[union]]
-        outs.append(TargetOutput(logits, tout.hidden, feats))
+        dev = batch.input_ids.device  # the drafters' device; a device_map target ends on its last GPU
+        outs.append(TargetOutput(None if logits is None else logits.to(dev), tout.hidden.to(dev),
+                                 None if feats is None else feats.to(dev)))
     return outs
 
 
@@ -320,8 +322,12 @@ def train_arms(cfgs: list[Config], *, resume: bool = False, init_from: str | Non
     else:
         convs = None
     if target is None:  # from a cache the target's layers never run: its embedding and lm_head are all it reads
+        if base.target.device_map and world > 1:
+            raise TrainError("target.device_map spreads one target over the visible GPUs: run one process "
+                             "(not torchrun), or train from a feature cache (data.features)")
         target = open_target(base.target.path, device=device, dtype=base.target.dtype,
-                             heads_only=bool(dcfg.features))
+                             heads_only=bool(dcfg.features),
+                             device_map=None if dcfg.features else base.target.device_map)
     tok = target.tokenizer
     train_cache = _open_cache(dcfg.features, "data.features", target, cfgs, convs) if dcfg.features else None
     held_cache = train_cache

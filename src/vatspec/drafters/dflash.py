@@ -342,12 +342,13 @@ class DFlashDrafter(nn.Module):
     # ------------------------------------------------------------------ building blocks
     def embed(self, ids: Tensor) -> Tensor:
         """Target embedding of ``ids [...]`` -> ``[..., H]``; the learned MASK row where chosen."""
-        dtype = self.fc.weight.dtype
-        if self.config.mask_source != "learned":
-            return self.target.embed_tokens(ids).to(dtype)
+        w = self.fc.weight
+        emb = self.target.embed_tokens
+        if self.config.mask_source != "learned":  # the embedding may sit on another device (device_map)
+            return emb(ids.to(emb.weight.device)).to(device=w.device, dtype=w.dtype)
         is_mask = ids == self.mask_token_id
-        e = self.target.embed_tokens(ids.masked_fill(is_mask, 0)).to(dtype)
-        return torch.where(is_mask[..., None], self.mask_embedding.to(dtype), e)
+        e = emb(ids.masked_fill(is_mask, 0).to(emb.weight.device)).to(device=w.device, dtype=w.dtype)
+        return torch.where(is_mask[..., None], self.mask_embedding.to(w.dtype), e)
 
     def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """cos, sin ``[B, P, D]`` for absolute ``positions [B, P]``."""

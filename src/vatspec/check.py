@@ -24,7 +24,7 @@ from safetensors import SafetensorError, safe_open
 from vatspec.decode import generate
 from vatspec.drafters.layers import rope_parameters
 from vatspec.drafters.vocab import check_draft_vocab
-from vatspec.export.formats import CONFIG, MASK_FILE, ExportError, detect_format, read_json
+from vatspec.export.formats import CONFIG, MASK_FILE, ExportError, detect_format, read_json, served_layer_ids
 from vatspec.export.read import embedding_matches, import_draft, load_accept_head
 from vatspec.export.record import read_record, target_fingerprint
 
@@ -61,35 +61,6 @@ class CheckReport:
 
 
 # ----------------------------------------------------------------------------- conventions
-def engine_layer_ids(fmt: str, cfg: dict, num_layers: int) -> tuple[list[int], list[Finding]]:
-    """The target layers (ours: output of layer i) the engine captures for this config, in the order
-    the config lists them, and findings on the fields that say so."""
-    found: list[Finding] = []
-    if fmt == "dflash":
-        dc = cfg.get("dflash_config") or {}
-        ids = dc.get("target_layer_ids", cfg.get("target_layer_ids"))
-        vllm = cfg.get("eagle_aux_hidden_state_layer_ids")
-        if ids is None:
-            return [], [Finding(False, "layer ids", "dflash_config.target_layer_ids is missing")]
-        if vllm is not None and [int(i) - 1 for i in vllm] != [int(i) for i in ids]:
-            found.append(Finding(False, "layer ids", f"eagle_aux_hidden_state_layer_ids {vllm} (vLLM, input of "
-                                 f"layer j) is not dflash_config.target_layer_ids {ids} + 1: the engines read "
-                                 "different layers"))
-        return [int(i) for i in ids], found
-    vllm = cfg.get("eagle_aux_hidden_state_layer_ids")
-    sglang = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") if fmt == "eagle3-hf" else None
-    if sglang is not None and vllm is not None and [int(i) + 1 for i in sglang] != [int(i) for i in vllm]:
-        found.append(Finding(False, "layer ids", f"eagle_config.eagle_aux_hidden_state_layer_ids {sglang} (SGLang, "
-                             f"output of layer i) and eagle_aux_hidden_state_layer_ids {vllm} (vLLM, input of layer j) "
-                             "disagree: SGLang and vLLM would read different layers"))
-    if sglang is not None:
-        return [int(i) for i in sglang], found
-    if vllm is not None:
-        return [int(i) - 1 for i in vllm], found
-    L = num_layers
-    return [1, L // 2 - 1, L - 4], found  # both engines' default, [2, L//2, L-3] input-of-layer
-
-
 def convention_findings(folder: Path, target) -> tuple[str | None, list[Finding]]:
     """Every convention the engines rely on, checked on ``folder`` against ``target``."""
     src = folder / CONFIG
@@ -103,8 +74,8 @@ def convention_findings(folder: Path, target) -> tuple[str | None, list[Finding]
     lc = lc if isinstance(lc, dict) else {}
 
     # 1. layer ids: in range, distinct, increasing (the engines capture layers in the order they run)
-    ids, found = engine_layer_ids(fmt, cfg, target.num_layers)
-    out += found
+    ids, problems = served_layer_ids(fmt, cfg, target.num_layers)
+    out += [Finding(False, "layer ids", p) for p in problems]
     L = target.num_layers
     if ids:
         in_range = all(0 <= i < L for i in ids)

@@ -47,6 +47,40 @@ def to_vllm_ids(ids) -> list[int]:
     return [int(i) + 1 for i in ids]
 
 
+def served_layer_ids(fmt: str, cfg: dict, num_layers: int) -> tuple[list[int], list[str]]:
+    """The target layers (ours: output of layer i) the engines capture for a served ``config.json``, in
+    the order it lists them, and the disagreements between its fields. EAGLE-3: SGLang's
+    ``eagle_config`` ids, else vLLM's top-level ids - 1, else both engines' default; DFlash:
+    ``dflash_config.target_layer_ids``, else the reference's default for its draft depth."""
+    from vatspec.drafters.dflash import default_target_layer_ids
+    from vatspec.drafters.eagle3 import default_layer_ids
+
+    vllm = cfg.get("eagle_aux_hidden_state_layer_ids")
+    if fmt == "dflash":
+        dc = cfg.get("dflash_config") or {}
+        ids = dc.get("target_layer_ids", cfg.get("target_layer_ids"))
+        if ids is None:
+            nt = dc.get("num_target_layers", cfg.get("num_target_layers", num_layers))
+            ids = default_target_layer_ids(nt, cfg.get("num_hidden_layers", 1))
+        ids = [int(i) for i in ids]
+        if vllm is not None and [int(i) for i in vllm] != to_vllm_ids(ids):
+            return ids, [f"eagle_aux_hidden_state_layer_ids {vllm} (vLLM, input of layer j) is not "
+                         f"dflash_config.target_layer_ids {ids} + 1; using dflash_config (the engines would read "
+                         "different layers)"]
+        return ids, []
+    sglang = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") if fmt == "eagle3-hf" else None
+    if sglang is not None:
+        ids = [int(i) for i in sglang]
+        if vllm is not None and to_vllm_ids(ids) != [int(i) for i in vllm]:
+            return ids, [f"eagle_config.eagle_aux_hidden_state_layer_ids {ids} (SGLang, output of layer i) and "
+                         f"eagle_aux_hidden_state_layer_ids {vllm} (vLLM, input of layer j) disagree; using SGLang's "
+                         "(SGLang and vLLM would read different layers)"]
+        return ids, []
+    if vllm is not None:
+        return [int(i) - 1 for i in vllm], []
+    return list(default_layer_ids(num_layers)), []
+
+
 def expected_weights(fmt: str, cfg: dict) -> dict[str, tuple[int, ...]]:
     """Every tensor of a ``fmt`` export and its shape, from the sizes in its config.json."""
     lc = cfg["transformer_layer_config"] if fmt == "speculators" else cfg

@@ -14,8 +14,8 @@ from torch import Tensor
 
 from vatspec.drafters import DEFAULT_TTT_STEPS
 from vatspec.drafters.base import AcceptHead
-from vatspec.drafters.dflash import DFlashConfig, DFlashDrafter, default_target_layer_ids
-from vatspec.drafters.eagle3 import Eagle3Config, Eagle3Drafter, default_layer_ids
+from vatspec.drafters.dflash import DFlashConfig, DFlashDrafter
+from vatspec.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from vatspec.drafters.layers import rope_parameters
 from vatspec.drafters.vocab import check_draft_vocab
 from vatspec.export.formats import (
@@ -29,7 +29,7 @@ from vatspec.export.formats import (
     detect_format,
     internal_name,
     read_json,
-    to_vllm_ids,
+    served_layer_ids,
 )
 
 
@@ -116,18 +116,9 @@ def _eagle3_config(fmt: str, cfg: dict, target, src: str, k: int | None) -> Eagl
     _fit(src, "vocab_size", V, target.vocab_size)
     _fit(src, "target_hidden_size", cfg.get("target_hidden_size") or H, target.hidden_size)
     _fit(src, "hidden_size (the draft shares the target's embedding)", H, target.hidden_size)
-    sglang = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") if fmt == "eagle3-hf" else None
-    vllm = cfg.get("eagle_aux_hidden_state_layer_ids")
-    if sglang is not None:
-        ids = [int(i) for i in sglang]
-        if vllm is not None and to_vllm_ids(ids) != [int(i) for i in vllm]:
-            warnings.warn(f"{src}: eagle_config.eagle_aux_hidden_state_layer_ids {ids} (SGLang, output of layer i) "
-                          f"and eagle_aux_hidden_state_layer_ids {vllm} (vLLM, input of layer j) disagree; "
-                          "using SGLang's", stacklevel=3)
-    elif vllm is not None:
-        ids = [int(i) - 1 for i in vllm]
-    else:
-        ids = list(default_layer_ids(target.num_layers))
+    ids, problems = served_layer_ids(fmt, cfg, target.num_layers)
+    for problem in problems:
+        warnings.warn(f"{src}: {problem}", stacklevel=3)
     ids = engine_layer_order(ids, src)
     if len(ids) != 3 or min(ids) < 0 or max(ids) >= target.num_layers:
         raise ExportError(f"{src}: layer ids {ids} (output of layer i) do not fit a {target.num_layers}-layer target")
@@ -184,12 +175,9 @@ def _dflash_config(cfg: dict, target, src: str, learned_id: int | None = None) -
     _fit(src, "vocab_size", cfg.get("vocab_size", target.vocab_size), target.vocab_size)
     _fit(src, "target_hidden_size", cfg.get("target_hidden_size") or H, target.hidden_size)
     _fit(src, "hidden_size (the draft shares the target's embedding and lm_head)", H, target.hidden_size)
-    ids = dc.get("target_layer_ids", cfg.get("target_layer_ids")) or default_target_layer_ids(NT, L)
-    ids = [int(i) for i in ids]
-    vllm = cfg.get("eagle_aux_hidden_state_layer_ids")
-    if vllm is not None and [int(i) for i in vllm] != to_vllm_ids(ids):
-        warnings.warn(f"{src}: eagle_aux_hidden_state_layer_ids {vllm} (vLLM) is not dflash_config.target_layer_ids "
-                      f"{ids} + 1; using dflash_config", stacklevel=3)
+    ids, problems = served_layer_ids("dflash", cfg, target.num_layers)
+    for problem in problems:
+        warnings.warn(f"{src}: {problem}", stacklevel=3)
     mask_id, mask = dc.get("mask_token_id", cfg.get("mask_token_id")), dc.get("mask_token")
     if mask_id is None:  # as SGLang: look the mask string up in the target's vocabulary
         vocab = target.tokenizer.get_vocab() if target.tokenizer is not None else {}

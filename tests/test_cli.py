@@ -77,3 +77,18 @@ def test_demo_refuses_a_foreign_folder_in_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("vatspec demo: error: ") and "not made by vatspec demo" in err and "Traceback" not in err
     assert (tmp_path / "keep.txt").read_text() == "mine"
+
+
+def test_demo_sizes_full_and_seeds(capsys):
+    from vatspec.demo import SIZES
+
+    mod = command_module("demo")
+    parser = argparse.ArgumentParser()
+    mod.configure(parser)
+    assert mod.size_of(parser.parse_args([])) == SIZES["default"]
+    full = mod.size_of(parser.parse_args(["--full"]))
+    assert full == SIZES["full"] and full.seeds >= 3  # the long recipe reports a mean over >= 3 seeds
+    assert mod.size_of(parser.parse_args(["--quick", "--seeds", "2"])).seeds == 2
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--quick", "--full"])
+    assert "not allowed with argument" in capsys.readouterr().err

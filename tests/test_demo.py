@@ -89,3 +89,30 @@ def test_ablation_table(tmp_path):
     assert "head_first_reject_mae" in res["head only"] and "head_first_reject_mae" not in res["baseline"]
     assert "paired_vs_baseline" in res["all three (VAT)"] and "paired_vs_baseline" not in res["baseline"]
     assert "chain_accepted" not in json.loads((tmp_path / "ab" / "ablation.json").read_text())["baseline"]
+
+
+def test_seeds_report_the_vat_difference_across_seeds(tmp_path):
+    """--seeds N (the long recipe's 3): every arm trained per seed, decoded, and each VAT arm's per-seed
+    paired differences summarised by their mean and t-interval."""
+    out = tmp_path / "demo"
+    size = dataclasses.replace(SIZES["quick"], steps=2, eval_every=2, seeds=2, benches=("gsm8k",))
+    data = run_demo(out, size, progress=False)
+
+    names = [f"{arm} (seed {s})" for s in (0, 1) for arm in ARMS]
+    assert set(data["train_final"]) == set(names)
+    assert (out / "runs" / "seed1" / "eagle3_vat" / "metrics.jsonl").is_file()
+    results = json.loads((out / "eval" / "results.json").read_text())
+    ks = results["config"]["k"]
+    for s in (0, 1):  # each seed's pair decodes with the k chosen on its own baseline
+        assert ks[f"EAGLE-3 + VAT (seed {s})"] == ks[f"EAGLE-3 (seed {s})"]
+        assert ks[f"DFlash + VAT (seed {s})"] == ks[f"DFlash (seed {s})"]
+    for vat, base in (("EAGLE-3 + VAT", "EAGLE-3"), ("DFlash + VAT", "DFlash")):
+        row = data["across_seeds"][vat]
+        assert row["vs"] == base and row["seeds"] == [0, 1]
+        per = [data["train_paired"][f"{vat} (seed {s})"]["estimate"] for s in (0, 1)]
+        assert row["tau_sim_per_seed"] == per
+        assert row["tau_sim"]["estimate"] == pytest.approx(sum(per) / 2)
+        assert row["decode_tau"]["low"] <= row["decode_tau"]["estimate"] <= row["decode_tau"]["high"]
+    report = (out / "report.md").read_text()
+    assert "## VAT vs baseline across training seeds" in report
+    assert "mean over seeds" in report and report.count("| EAGLE-3 + VAT (seed ") >= 1

@@ -54,3 +54,16 @@ def test_bad_input_is_refused():
         paired_difference([1], [1], [1])
     with pytest.raises(ValueError, match="no units"):
         paired_difference([], [])
+
+
+def test_across_seeds_is_the_t_interval_of_the_per_seed_differences():
+    from vatspec.stats import across_seeds
+
+    d = across_seeds([0.02, 0.04, 0.06], bases=[1.2, 1.2, 1.2])  # the docstring's worked example
+    assert d.estimate == pytest.approx(0.04)
+    assert d.high - d.estimate == pytest.approx(4.303 * 0.02 / np.sqrt(3))
+    assert d.contains_zero and d.units == 3 and d.relative == pytest.approx(100 * 0.04 / 1.2)
+    wide = across_seeds([0.05, 0.051, 0.049, 0.05, 0.052])  # tight agreement over 5 seeds: excludes 0
+    assert not wide.contains_zero and "excludes 0" in wide.sentence("tau", "VAT", "base", "seeds")
+    with pytest.raises(ValueError, match=">= 2"):
+        across_seeds([0.1])

@@ -374,6 +374,11 @@ def round_cost_table(summary: dict, benches: Sequence[str], methods: Sequence[st
     return lines
 
 
+def _legend_below(ax, n: int) -> None:
+    """The legend under the axes, 4 entries a row: any number of methods fits without covering bars."""
+    ax.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=min(n, 4), frameon=False)
+
+
 def plot(results: dict, out_dir: str | Path) -> list[Path]:
     """tau.png (tau per benchmark for each method) and acceptance.png (acceptance-length histogram)."""
     import matplotlib
@@ -394,12 +399,10 @@ def plot(results: dict, out_dir: str | Path) -> list[Path]:
     ax.set_xticks(range(len(cols)), cols)
     ax.set_ylabel("τ (tokens per verify pass)")
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
-    ax.margins(y=0.2)  # room above the bars for the legend
-    ax.legend(fontsize="small", loc="upper center", ncol=min(len(methods), 4), frameon=False)
+    _legend_below(ax, len(methods))
     ax.set_title(f"Acceptance length τ, temperature {results['config']['temperature']:g}")
-    fig.tight_layout()
     paths.append(out_dir / "tau.png")
-    fig.savefig(paths[-1], dpi=120)
+    fig.savefig(paths[-1], dpi=120, bbox_inches="tight")
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
@@ -410,12 +413,10 @@ def plot(results: dict, out_dir: str | Path) -> list[Path]:
         ax.bar([n + (j - (len(methods) - 1) / 2) * width for n in ns], [h[n] / total for n in ns], width, label=m)
     ax.set_xlabel("tokens committed per round (accepted + 1)")
     ax.set_ylabel("fraction of rounds")
-    ax.margins(y=0.2)  # room above the bars for the legend
-    ax.legend(fontsize="small", loc="upper center", ncol=min(len(methods), 4), frameon=False)
+    _legend_below(ax, len(methods))
     ax.set_title("Acceptance-length histogram (all benchmarks)")
-    fig.tight_layout()
     paths.append(out_dir / "acceptance.png")
-    fig.savefig(paths[-1], dpi=120)
+    fig.savefig(paths[-1], dpi=120, bbox_inches="tight")
     plt.close(fig)
     return paths
 

@@ -53,7 +53,8 @@ class DemoSize:
     eval_tokens: int = 48  # max new tokens per evaluated prompt
     calibration_prompts: int = 4  # held-out training prompts that choose each drafter's k (0 = the trained k)
     benches: tuple[str, ...] = ("gsm8k", "humaneval", "mt_bench", "alpaca")
-    seed: int = 0
+    seed: int = 0  # the training set's prompt draw, and the first training seed
+    seeds: int = 1  # training seeds per arm (seed, seed + 1, ...): > 1 reports the VAT difference across seeds
 
 
 SIZES = {
@@ -61,6 +62,9 @@ SIZES = {
     "quick": DemoSize(prompts=16, regen_tokens=48, steps=8, batch_size=2, max_length=128, draft_vocab=2048,
                       anchors=8, eval_every=4, eval_prompts=1, eval_tokens=24, calibration_prompts=1,
                       benches=("gsm8k", "humaneval", "mt_bench")),
+    # the long recipe (`vatspec demo --full`, <= 2 h on 2 cores from an empty cache; docs/results.md)
+    "full": DemoSize(prompts=512, steps=120, anchors=32, eval_every=30, eval_prompts=3, eval_tokens=64,
+                     seeds=3),
 }
 
 ARMS = {  # report name -> (drafter kind, loss kind)
@@ -182,6 +186,12 @@ def _fmt(x, nd=2) -> str:
 
 
 # ----------------------------------------------------------------------------- demo
+def seed_arms(size: DemoSize) -> dict[int, dict[str, str]]:
+    """Training seed -> {arm: its report name}: the arm's own name for one seed, "ARM (seed S)" for several."""
+    seeds = range(size.seed, size.seed + size.seeds)
+    return {s: {arm: arm if size.seeds == 1 else f"{arm} (seed {s})" for arm in ARMS} for s in seeds}
+
+
 def run_demo(out: Path, size: DemoSize, *, threads: int | None = None, progress: bool = True) -> dict:
     from vatspec import bench
     from vatspec.benchmarks import load_benchmark
@@ -206,29 +216,36 @@ def run_demo(out: Path, size: DemoSize, *, threads: int | None = None, progress:
     timings["data"] = time.perf_counter() - t
     log.info(f"    {data_path} ({regen['new_tokens']} new tokens this run, {regen['tokens_per_s']:.1f} tok/s)")
 
+    arms = seed_arms(size)
     log.info(f"3/5 training {len(ARMS)} drafts in lockstep for {size.steps} steps from a feature cache "
-             "(the target's layer outputs, computed once)")
+             f"(the target's layer outputs, computed once), {size.seeds} seed(s)")
     t = time.perf_counter()
-    names = list(ARMS)
-    features, feature_info = prepare_features(target, data_path, arm_configs(names, size, data_path, out / "runs"),
-                                              progress)
+    features, feature_info = prepare_features(target, data_path, arm_configs(list(ARMS), size, data_path,
+                                                                             out / "runs"), progress)
     timings["features"] = time.perf_counter() - t
     log.info(f"    {features} ({feature_info['bytes'] / 2**20:.0f} MiB, {feature_info['tokens']} tokens, "
              f"{feature_info['written_tokens']} written this run)")
     t = time.perf_counter()
-    cfgs = arm_configs(names, size, data_path, out / "runs", features=features)
-    finals = train_arms(cfgs, progress=progress)
+    cfgs, finals = {}, {}
+    for seed, names in arms.items():
+        runs = out / "runs" if size.seeds == 1 else out / "runs" / f"seed{seed}"
+        seed_cfgs = arm_configs(list(ARMS), dataclasses.replace(size, seed=seed), data_path, runs, features=features)
+        if size.seeds > 1:
+            log.info(f"    seed {seed}")
+        cfgs.update(zip(names.values(), seed_cfgs))
+        finals.update(zip(names.values(), train_arms(seed_cfgs, progress=progress)))
     timings["train"] = time.perf_counter() - t
-    curves = {n: read_curves(Path(c.train.out_dir)) for n, c in zip(names, cfgs)}
+    curves = {n: read_curves(Path(c.train.out_dir)) for n, c in cfgs.items()}
+    pairs = {names[vat]: names[base] for names in arms.values() for vat, base in BASELINE_OF.items()}
 
     log.info(f"4/5 evaluating on {', '.join(size.benches)} ({size.eval_prompts} prompts each, T=0, "
          f"{size.eval_tokens} new tokens), interleaved with the autoregressive baseline")
     t = time.perf_counter()
-    methods = {}
-    for n, c in zip(names, cfgs):
-        drafter, head = open_draft(c.train.out_dir, target)
-        methods[n] = (drafter, head)
-    calibration = choose_k(target, methods, cfgs[0], size)
+    methods = {n: open_draft(c.train.out_dir, target) for n, c in cfgs.items()}
+    calibration = {}
+    for names in arms.values():
+        calibration.update(choose_k(target, methods, cfgs[names[next(iter(ARMS))]], size,
+                                    {names[v]: names[b] for v, b in BASELINE_OF.items()}))
     prompts = {b: load_benchmark(b)[: size.eval_prompts] for b in size.benches}
     results = bench.evaluate(target, methods, prompts, temperature=0.0, max_new_tokens=size.eval_tokens,
                              warmup=1, seed=size.seed, progress=progress,
@@ -238,30 +255,33 @@ def run_demo(out: Path, size: DemoSize, *, threads: int | None = None, progress:
     timings["eval"] = time.perf_counter() - t
 
     log.info("5/5 writing the report")
-    eval_paths = bench.write_report(results, out / "eval", relative_to=BASELINE_OF)
+    eval_paths = bench.write_report(results, out / "eval", relative_to=pairs)
     plot_curves(curves, out / "training_curves.png")
     timings["total"] = time.perf_counter() - t_start
-    chains = {n: f.pop(CHAINS_KEY, None) for n, f in zip(names, finals)}  # kept in each run's heldout_chains.json
+    chains = {n: f.pop(CHAINS_KEY, None) for n, f in finals.items()}  # kept in each run's heldout_chains.json
     summary = {
         "size": dataclasses.asdict(size), "timings_s": timings, "regeneration": regen, "features": feature_info,
-        "train_final": dict(zip(names, finals)),
-        "train_paired": paired_tau_sim(chains),
+        "train_final": finals,
+        "train_paired": paired_tau_sim(chains, pairs),
         "decode": results["summary"], "benchmarks": results["benchmarks"],
         "threads": torch.get_num_threads(),
     }
+    if size.seeds > 1:
+        summary["across_seeds"] = across_seeds_summary(summary["train_paired"], results, arms)
     (out / "demo.json").write_text(json.dumps(summary, indent=1, default=float))
-    for n, c in zip(names, cfgs):
+    for n, c in cfgs.items():
         shutil.copy(Path(c.train.out_dir) / "config.yaml", out / f"config-{_slug(n)}.yaml")
-    report = _report_md(summary, results, eval_paths, size)
+    report = _report_md(summary, results, eval_paths, size, pairs)
     (out / "report.md").write_text(report)
     log.info(f"done in {timings['total'] / 60:.1f} min: {out / 'report.md'}")
     return summary
 
 
-def choose_k(target, methods: dict, cfg, size: DemoSize) -> dict[str, dict]:
+def choose_k(target, methods: dict, cfg, size: DemoSize, pairs: dict[str, str] | None = None) -> dict[str, dict]:
     """Each drafter kind's k, chosen on held-out training prompts (the held-out split of training,
     never the benchmarks) from the baseline arm's acceptance and the measured round cost, and used
-    by both arms of that kind: baseline and VAT decode with the same settings."""
+    by both arms of that kind: baseline and VAT decode with the same settings. ``pairs``: VAT arm ->
+    its baseline (default ``BASELINE_OF``)."""
     if not size.calibration_prompts:
         return {}
     from vatspec import bench
@@ -272,7 +292,7 @@ def choose_k(target, methods: dict, cfg, size: DemoSize) -> dict[str, dict]:
     _, held = heldout_split(D.load_conversations(cfg.data.train), cfg.data, cfg.train.seed)
     ids = [bench.prompt_ids(target.tokenizer, c) for c in held[: size.calibration_prompts]]
     out = {}
-    for vat, base in BASELINE_OF.items():
+    for vat, base in (pairs or BASELINE_OF).items():
         cal = calibrate(target, methods[base][0], ids, max_new_tokens=size.eval_tokens).to_dict()
         log.info(f"    {base}: k = {cal['k']} (expected speedup {cal['speedup'][cal['k']]:.2f} on held-out prompts)")
         out[base] = cal
@@ -280,13 +300,34 @@ def choose_k(target, methods: dict, cfg, size: DemoSize) -> dict[str, dict]:
     return out
 
 
-def paired_tau_sim(chains: dict[str, list[int] | None]) -> dict[str, dict]:
-    """Each VAT arm's held-out tau_sim difference from its baseline, chain by chain (both arms are
-    scored on the same held-out chains), with a 95% paired-bootstrap interval."""
-    from vatspec.stats import paired_difference
+def across_seeds_summary(train_paired: dict, results: dict, arms: dict[int, dict[str, str]]) -> dict:
+    """Per VAT arm: its per-seed differences from its baseline (held-out tau_sim per chain, decode tau
+    per prompt) and their mean over seeds with a 95% t-interval (``stats.across_seeds``)."""
+    from vatspec.bench import paired_tau
+    from vatspec.stats import across_seeds
 
     out = {}
     for vat, base in BASELINE_OF.items():
+        sims = [train_paired[names[vat]] for names in arms.values() if names[vat] in train_paired]
+        decs = [paired_tau(results, names[vat], names[base]) for names in arms.values()]
+        row = {"vs": base, "seeds": list(arms)}
+        if len(sims) == len(arms):
+            row["tau_sim_per_seed"] = [d["estimate"] for d in sims]
+            row["tau_sim"] = across_seeds(row["tau_sim_per_seed"], [d["base"] + 1 for d in sims]).to_dict()
+        row["decode_tau_per_seed"] = [d.estimate for d in decs]
+        row["decode_tau"] = across_seeds(row["decode_tau_per_seed"], [d.base for d in decs]).to_dict()
+        out[vat] = row
+    return out
+
+
+def paired_tau_sim(chains: dict[str, list[int] | None], pairs: dict[str, str] | None = None) -> dict[str, dict]:
+    """Each VAT arm's held-out tau_sim difference from its baseline, chain by chain (both arms are
+    scored on the same held-out chains), with a 95% paired-bootstrap interval. ``pairs``: VAT arm ->
+    its baseline (default ``BASELINE_OF``)."""
+    from vatspec.stats import paired_difference
+
+    out = {}
+    for vat, base in (pairs or BASELINE_OF).items():
         a, b = chains.get(vat), chains.get(base)
         if a and b and len(a) == len(b):
             out[vat] = {"vs": base, **paired_difference(a, b).to_dict()}
@@ -314,7 +355,7 @@ def _prepare_out(out: Path) -> None:
         raise DemoError(str(e)) from None
 
 
-def _report_md(summary: dict, results: dict, eval_paths: dict, size: DemoSize) -> str:
+def _report_md(summary: dict, results: dict, eval_paths: dict, size: DemoSize, pairs: dict[str, str]) -> str:
     from vatspec import bench
     from vatspec.stats import Difference
 
@@ -343,7 +384,7 @@ def _report_md(summary: dict, results: dict, eval_paths: dict, size: DemoSize) -
         "",
         "## Speculative decoding (temperature 0)",
         "",
-        bench.markdown_table(results, relative_to=BASELINE_OF),
+        bench.markdown_table(results, relative_to=pairs),
         "![tau per benchmark](eval/tau.png)",
         "",
         "![acceptance-length histogram](eval/acceptance.png)",
@@ -358,7 +399,7 @@ def _report_md(summary: dict, results: dict, eval_paths: dict, size: DemoSize) -
         lines.append(f"| {name} | {_fmt(m.get('tau_sim'), 3)} | {_fmt(m.get('mean_first_reject'), 3)} | "
                      f"{_fmt(m.get('post_reject_match'), 3)} | {_fmt(acc0, 3)} | "
                      f"{_fmt(m.get('head_first_reject_mae'), 2) if 'head_first_reject_mae' in m else '-'} |")
-    for vat, base in BASELINE_OF.items():
+    for vat, base in pairs.items():
         a, b = summary["train_final"][vat].get("tau_sim"), summary["train_final"][base].get("tau_sim")
         if a and b:
             lines.append(f"\nτ_sim of {vat} vs {base}: {100 * (a / b - 1):+.1f}%.")
@@ -366,6 +407,8 @@ def _report_md(summary: dict, results: dict, eval_paths: dict, size: DemoSize) -
         if d:
             lines.append("\n" + Difference(**{f: d[f] for f in ("estimate", "low", "high", "level", "units", "base")})
                          .sentence("Held-out accepted length per chain (τ_sim - 1)", vat, base, "chains"))
+    if "across_seeds" in summary:
+        lines += ["", *_seed_lines(summary["across_seeds"])]
     lines += [
         "",
         "![training curves](training_curves.png)",
@@ -376,6 +419,34 @@ def _report_md(summary: dict, results: dict, eval_paths: dict, size: DemoSize) -
         "`eval/results.json` the per-prompt runs; `runs/` the checkpoints and per-step metrics.",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _seed_lines(rows: dict[str, dict]) -> list[str]:
+    """The across-seeds section: per-seed differences, their mean and its 95% t-interval, in words."""
+    from vatspec.stats import Difference
+
+    fields = ("estimate", "low", "high", "level", "units", "base")
+    lines = ["## VAT vs baseline across training seeds", "",
+             "Each seed trains both arms of a pair on the same data order and initialisation, scores them on the "
+             "same held-out chains and benchmark prompts, and gives one paired difference; the mean over seeds "
+             "has a 95% Student-t interval (the seed is the unit of replication).", "",
+             "| VAT arm | vs | seeds | Δ τ_sim per seed | mean Δ τ_sim [95%] | Δ decode τ per seed | "
+             "mean Δ decode τ [95%] |", "|---|---|---:|---|---:|---|---:|"]
+    sentences = []
+    for vat, r in rows.items():
+        per = lambda key: " ".join(f"{x:+.3f}" for x in r.get(key, [])) or "n/a"  # noqa: E731
+        cells = []
+        for key, what in (("tau_sim", "Held-out τ_sim (accepted length per chain)"),
+                          ("decode_tau", "Decode τ (per prompt)")):
+            if key in r:
+                d = Difference(**{f: r[key][f] for f in fields})
+                cells.append(d.cell())
+                sentences.append("- " + d.sentence(f"{what}, mean over seeds", vat, r["vs"], "seeds"))
+            else:
+                cells.append("n/a")
+        lines.append(f"| {vat} | {r['vs']} | {len(r['seeds'])} | {per('tau_sim_per_seed')} | {cells[0]} | "
+                     f"{per('decode_tau_per_seed')} | {cells[1]} |")
+    return [*lines, "", *sentences]
 
 
 # ----------------------------------------------------------------------------- ablation

@@ -1,7 +1,7 @@
 """``vatspec demo``: baselines vs VAT for both drafters on the embedded default target
 (``vatspec.demo.run_demo``), written as a report folder.
 
-    vatspec demo [--quick] [--out reports/demo]
+    vatspec demo [--quick | --full] [--seeds N] [--out reports/demo]
 """
 
 from __future__ import annotations
@@ -17,11 +17,15 @@ from vatspec.demo import SIZES, DemoError, DemoSize, run_demo
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quick", action="store_true", help="the ~3-minute smoke size (CI runs it)")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="the ~3-minute smoke size (CI runs it)")
+    size.add_argument("--full", action="store_true",
+                      help="the long recipe: 512 conversations, 120 steps, 3 seeds per arm (<= 2 h on 2 cores)")
     parser.add_argument("--out", default="reports/demo", help="report folder (default: reports/demo)")
     parser.add_argument("--steps", type=int_arg(1), help="override the number of training steps")
     parser.add_argument("--prompts", type=int_arg(2), help="override the number of training conversations")
     parser.add_argument("--eval-prompts", type=int_arg(1), help="override prompts per benchmark")
+    parser.add_argument("--seeds", type=int_arg(1), help="override the number of training seeds per arm")
     parser.add_argument("--threads", type=int_arg(1), default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--no-progress", action="store_true")
 
@@ -36,10 +40,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def size_of(args: argparse.Namespace) -> DemoSize:
-    """``--quick`` picks the size; ``--steps``, ``--prompts``, ``--eval-prompts`` override it."""
-    size = SIZES["quick" if args.quick else "default"]
+    """``--quick`` / ``--full`` pick the size; ``--steps``, ``--prompts``, ``--eval-prompts``, ``--seeds``
+    override it."""
+    size = SIZES["quick" if args.quick else "full" if getattr(args, "full", False) else "default"]
     changes = {k: v for k, v in (("steps", args.steps), ("prompts", args.prompts),
-                                 ("eval_prompts", args.eval_prompts)) if v is not None}
+                                 ("eval_prompts", args.eval_prompts), ("seeds", getattr(args, "seeds", None)))
+               if v is not None}
     return dataclasses.replace(size, **changes)
 
 

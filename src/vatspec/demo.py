@@ -421,6 +421,10 @@ def _report_md(summary: dict, results: dict, eval_paths: dict, size: DemoSize, p
     return "\n".join(lines) + "\n"
 
 
+def _per_seed(row: dict, key: str) -> str:
+    return " ".join(f"{x:+.3f}" for x in row.get(key, [])) or "n/a"
+
+
 def _seed_lines(rows: dict[str, dict]) -> list[str]:
     """The across-seeds section: per-seed differences, their mean and its 95% t-interval, in words."""
     from vatspec.stats import Difference
@@ -434,7 +438,6 @@ def _seed_lines(rows: dict[str, dict]) -> list[str]:
              "mean Δ decode τ [95%] |", "|---|---|---:|---|---:|---|---:|"]
     sentences = []
     for vat, r in rows.items():
-        per = lambda key: " ".join(f"{x:+.3f}" for x in r.get(key, [])) or "n/a"  # noqa: E731
         cells = []
         for key, what in (("tau_sim", "Held-out τ_sim (accepted length per chain)"),
                           ("decode_tau", "Decode τ (per prompt)")):
@@ -444,8 +447,8 @@ def _seed_lines(rows: dict[str, dict]) -> list[str]:
                 sentences.append("- " + d.sentence(f"{what}, mean over seeds", vat, r["vs"], "seeds"))
             else:
                 cells.append("n/a")
-        lines.append(f"| {vat} | {r['vs']} | {len(r['seeds'])} | {per('tau_sim_per_seed')} | {cells[0]} | "
-                     f"{per('decode_tau_per_seed')} | {cells[1]} |")
+        lines.append(f"| {vat} | {r['vs']} | {len(r['seeds'])} | {_per_seed(r, 'tau_sim_per_seed')} | {cells[0]} | "
+                     f"{_per_seed(r, 'decode_tau_per_seed')} | {cells[1]} |")
     return [*lines, "", *sentences]
 
 

@@ -42,7 +42,7 @@ def run(args) -> dict:
     def once() -> float:
         t0 = time.perf_counter()
         if args.variant == "function":
-            soft, hard, _ = chunked_token_ce(hidden, weight, p, p_index, labels, chunk_size=C)
+            soft, hard, _, _ = chunked_token_ce(hidden, weight, p, p_index, labels, chunk_size=C)
             loss = soft.sum() + hard.sum()
         elif args.variant == "checkpoint":
             loss = sum(checkpoint(plain, hidden[s : s + C], weight, p_index[s : s + C], labels[s : s + C],

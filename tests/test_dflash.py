@@ -7,11 +7,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from torch import nn
 
 from tests.conftest import tiny_llama
 from vatspec.drafters import dflash
-from vatspec.drafters.base import DraftOutput
+from vatspec.drafters.base import AcceptHead, DraftOutput
 from vatspec.drafters.dflash import (
     Anchors,
     DFlashConfig,
@@ -284,11 +283,11 @@ def test_session_matches_training_forward(target, monkeypatch):
     torch.testing.assert_close(big.draft_block()[0], train.logits[0, 1], rtol=0, atol=ATOL)
 
 
-class ScriptedHead(nn.Module):
+class ScriptedHead(AcceptHead):
     """An accept head whose logits are fixed per slot: the exit rule is tested without training."""
 
-    def __init__(self, logits):
-        super().__init__()
+    def __init__(self, logits, label: str = "alive"):
+        super().__init__(1, label)
         self.logits = torch.tensor(logits)
 
     def forward(self, hidden):  # [k, H] -> [k]
@@ -328,6 +327,21 @@ def test_propose_greedy_sampled_and_early_exit(target):
     assert len(no_exit.propose(3).head_probs) == 3
     with pytest.raises(ValueError, match="accept head"):
         d.new_session(exit_threshold=0.5)
+
+
+def test_confidence_head_exits_on_the_running_product(target):
+    """DSpark's confidence head (label "alpha"): a slot is kept while the product of the sigmoids so far
+    stays >= the threshold; VAT's head (label "alive") thresholds each sigmoid as it is."""
+    d = make_drafter(target)
+    b = make_batch(T=8, B=1)
+    feats = features_for(target, d, b).features[0]
+    kept = {}
+    for label in ("alive", "alpha"):
+        s = d.new_session(ScriptedHead([2.0, 2.0, 2.0], label), exit_threshold=0.7)
+        s.extend(feats, torch.cat([b.input_ids[0, 1:], torch.tensor([9])]))
+        kept[label] = len(s.propose(3))
+    # sigmoid(2) = 0.881 each; running product 0.881 0.776 0.684: the third falls below 0.7
+    assert kept == {"alive": 3, "alpha": 2}
 
 
 def test_scaled_rope_builds(target):

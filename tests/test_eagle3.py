@@ -460,22 +460,27 @@ def test_sampled_propose_q(drafter: Eagle3Drafter, target: Target):
     assert torch.equal(s.propose(k, temperature=1.0, top_k=1).tokens, greedy.tokens)
 
 
-def test_early_exit_on_head_probability(drafter: Eagle3Drafter, target: Target):
+@pytest.mark.parametrize("label", ["alive", "alpha"])
+def test_early_exit_on_head_probability(drafter: Eagle3Drafter, target: Target, label: str):
+    """VAT's head ("alive") is thresholded as it is; DSpark's confidence head ("alpha") by the running
+    product of its sigmoids."""
     batch = make_batch(B=1, seed=7)
     tout = target(batch["input_ids"], batch["attention_mask"], drafter.target_layer_ids)
     f, ids = tout.features[0, :8], batch["input_ids"][0, 1:9]
     torch.manual_seed(1)
-    head = AcceptHead(drafter.hidden_size)
+    head = AcceptHead(drafter.hidden_size, label=label)
     torch.nn.init.normal_(head.proj.weight, std=1.0)
     full = drafter.new_session(head=head)
     full.extend(f, ids)
     ref = full.propose(k)
     probs = ref.head_probs.tolist()
-    for thr in sorted(probs) + [0.0, 1.1]:
+    # what the exit compares with the threshold, by the head's rule (a float32 product, as decoding's)
+    alive = probs if label == "alive" else ref.head_probs.cumprod(0).tolist()
+    for thr in sorted(alive) + [0.0, 1.1]:
         s = drafter.new_session(head=head, exit_threshold=thr)
         s.extend(f, ids)
         p = s.propose(k)
-        cut = next((j for j, x in enumerate(probs) if x < thr), k)  # first position below: dropped
+        cut = next((j for j, x in enumerate(alive) if x < thr), k)  # first position below: dropped
         assert len(p) == cut, (thr, probs)
         assert torch.equal(p.tokens, ref.tokens[:cut]) and torch.allclose(p.head_probs, ref.head_probs[:cut])
     with pytest.raises(ValueError, match="head"):

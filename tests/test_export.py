@@ -185,6 +185,24 @@ def test_round_trip_gives_identical_logits_proposals_and_tokens(target, tmp_path
         assert r1.tokens == r2.tokens and r1.num_accepted == r2.num_accepted
 
 
+@pytest.mark.parametrize("label", ["alive", "alpha"])
+def test_accept_head_label_round_trips(target, tmp_path, label):
+    """What the head predicts (VAT's alive bit, or DSpark's per-position acceptance) goes with it, so
+    decoding applies its rule; an export without the field is read as VAT's head."""
+    import json
+
+    head = AcceptHead(H, label=label)
+    out = export_draft(make_drafter("eagle3", target), target, tmp_path / "served", fmt="eagle3-hf", head=head)
+    back, _ = load_accept_head(out)
+    assert back.label == label
+    meta_file = out / "accept_head" / "config.json"
+    meta = json.loads(meta_file.read_text())
+    assert meta["label"] == label
+    del meta["label"]
+    meta_file.write_text(json.dumps(meta))
+    assert load_accept_head(out)[0].label == "alive"
+
+
 # ----------------------------------------------------------------------------- the documented formats, exactly
 def test_exported_key_sets_and_fields_are_the_formats(smol_tokenizer_target, tmp_path):
     t = smol_tokenizer_target

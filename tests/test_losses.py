@@ -218,7 +218,8 @@ def eagle3_reference(out, d2t, t2d):
 def test_fixed_soft_no_head_equals_eagle3_reference():
     out, d2t, t2d = random_batch(seed=3)
     v = simulate_verification(out.logits, out.target_logits, out.valid, d2t=d2t)
-    cfg = LossConfig(kind="vat", weights="fixed", soft=True, hard=False, head=False, curve="eagle3")
+    cfg = LossConfig(kind="vat", weights="fixed", soft=True, hard=False, kl=False, tv=False, lk=False, head=False,
+                     head_label="alive", curve="eagle3")
     assert cfg.resolved  # every field set by hand: nothing for resolve to fill
     loss, parts = vat_objective(out, v, None, cfg, d2t=d2t, t2d=t2d)
     torch.testing.assert_close(loss, eagle3_reference(out, d2t, t2d), atol=EXACT, rtol=0)

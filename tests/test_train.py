@@ -158,6 +158,39 @@ def test_lockstep_arms_equal_separate_runs(tiny_target_dir, data_file, tmp_path)
                    for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines())
 
 
+OBJECTIVES = ("kl", "tv", "lk", "dpace", "specauf", "dspark")
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+def test_lockstep_objectives_share_batches_and_initialisation(tiny_target_dir, data_file, tmp_path, monkeypatch, kind):
+    """Every objective arm of `vatspec ablate --arms` starts from the same weights as the drafter's baseline
+    and sees the same batches: its losses in lockstep equal its run alone."""
+    import vatspec.train as T
+
+    init = {}
+    build = T._build_arm
+
+    def spy(cfg, *a, **kw):
+        arm = build(cfg, *a, **kw)
+        init[cfg.loss.kind] = {n: p.detach().clone() for n, p in arm.drafter.named_parameters()}
+        return arm
+
+    monkeypatch.setattr(T, "_build_arm", spy)
+    arms = [kind, *OBJECTIVES]
+    cfgs = [_cfg(tiny_target_dir, data_file, tmp_path / a, f"drafter.kind={kind}", f"loss.kind={a}") for a in arms]
+    finals = train_arms(cfgs, progress=False)
+    base = init[kind]
+    for a in OBJECTIVES:
+        assert init[a].keys() == base.keys() and all(torch.equal(init[a][n], base[n]) for n in base), a
+    assert all(f["chains"] == finals[0]["chains"] for f in finals)  # the same held-out chains
+    for a in OBJECTIVES:
+        train(_cfg(tiny_target_dir, data_file, tmp_path / f"{a}-alone", f"drafter.kind={kind}", f"loss.kind={a}"),
+              progress=False)
+        assert _losses(tmp_path / a) == pytest.approx(_losses(tmp_path / f"{a}-alone"), rel=1e-5), a
+    # the objectives train differently (kl on EAGLE-3 is soft CE less a constant: its own loss values)
+    assert len({tuple(_losses(tmp_path / a)) for a in arms}) == len(arms)
+
+
 def test_checkpoint_loads_for_decoding(tiny_target_dir, data_file, tmp_path):
     from vatspec.drafts import open_draft
     from vatspec.target import Target
@@ -234,19 +267,22 @@ def test_ddp_two_cpu_processes_hold_identical_weights(tiny_target_dir, data_file
     assert not unmoved, f"weights equal to their initial values after training: {unmoved}"
 
 
+@pytest.mark.parametrize("loss", ["vat", "dspark"])
 @pytest.mark.parametrize("kind", ["eagle3", "dflash"])
-def test_trained_drafter_decodes_losslessly_with_and_without_early_exit(tiny_target_dir, data_file, tmp_path, kind):
-    """T = 0 output equals HF generate() greedy for a VAT-trained drafter (head on), early exit on and off."""
+def test_trained_drafter_decodes_losslessly_with_and_without_early_exit(tiny_target_dir, data_file, tmp_path, kind,
+                                                                        loss):
+    """T = 0 output equals HF generate() greedy for a drafter trained with a head (VAT's, or DSpark's
+    confidence head, which the checkpoint opens with its own exit rule), early exit on and off."""
     from vatspec.decode import generate
     from vatspec.drafts import open_draft
     from vatspec.target import Target
 
-    cfg = _cfg(tiny_target_dir, data_file, tmp_path / "run", f"drafter.kind={kind}", "loss.kind=vat",
+    cfg = _cfg(tiny_target_dir, data_file, tmp_path / "run", f"drafter.kind={kind}", f"loss.kind={loss}",
                "train.steps=6", "optim.lr=1e-2", "drafter.mask_token_id=16")
     train(cfg, progress=False)
     target = Target.from_pretrained(tiny_target_dir)
     drafter, head = open_draft(tmp_path / "run", target)
-    assert head is not None
+    assert head is not None and head.label == {"vat": "alive", "dspark": "alpha"}[loss]
     tok = target.tokenizer
     for text in ["Count from 3 to 8, please.", "Say hello.", "Count from 11 to 16, please."]:
         ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,

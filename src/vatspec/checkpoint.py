@@ -29,10 +29,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import yaml
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from vatspec.drafters.base import AcceptHead
+from vatspec.drafters.base import HEAD_RULES, AcceptHead
 
 
 class CheckpointError(RuntimeError):
@@ -132,13 +133,28 @@ def load_checkpoint_draft(ckpt: Path, target, device, k: int | None = None):
                               f"{e}") from e
     head = None
     if (ckpt / "head.safetensors").is_file():
-        head = AcceptHead(drafter.hidden_size)
+        head = AcceptHead(drafter.hidden_size, label=_head_label(ckpt))
         try:
             head.load_state_dict(load_file(ckpt / "head.safetensors"))
         except (RuntimeError, OSError, SafetensorError) as e:
             raise CheckpointError(f"{ckpt}/head.safetensors is unreadable or does not fit the drafter: {e}") from e
         head.to(device).eval()
     return drafter.to(device).eval(), head
+
+
+def _head_label(ckpt: Path) -> str:
+    """What the checkpoint's head was trained on (``loss.head_label`` of its ``config.yaml``): "alive"
+    (VAT) or "alpha" (DSpark's confidence head); "alive" for a checkpoint older than the field."""
+    if not (ckpt / "config.yaml").is_file():
+        return "alive"
+    try:
+        loss = yaml.safe_load((ckpt / "config.yaml").read_text()).get("loss") or {}
+    except (OSError, AttributeError, yaml.YAMLError) as e:
+        raise CheckpointError(f"{ckpt / 'config.yaml'}: unreadable ({e}); it says what the accept head predicts") from e
+    label = loss.get("head_label") or "alive"
+    if label not in HEAD_RULES:
+        raise CheckpointError(f"{ckpt / 'config.yaml'}: loss.head_label {label!r} is not one of {tuple(HEAD_RULES)}")
+    return label
 
 
 def saved_config(path: str | Path):

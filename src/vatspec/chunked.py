@@ -15,14 +15,17 @@ turn it into logits (the loop runs the target without logits), or logits [P, V] 
    (EAGLE-3: the ``t2d`` columns, renormalised; DFlash: all V). Never [N, V] or [B, T, V].
 2. one pass over the N' kept positions (the valid ones; every one in sampled mode, whose draws walk
    every position as ``simulate_verification`` does), C rows at a time: ``x = h W^T`` in float32,
-   the draft argmax, the soft and hard CE, and (sampled / expected) ``verify.position_stats``.
+   the draft argmax, the soft and hard CE, alpha = sum min(p, q) when the loss reads it (tv, lk,
+   DSpark's head), and (sampled / expected) ``verify.position_stats``; H(p) for KL comes from step 1.
 3. backward (``_ChunkedHeadCE``): recompute x per chunk and hand
-   ``dx = (gs + gh) softmax(x) - gs p - gh onehot`` (``losses._TokenCE``'s gradient) to the matmuls
-   ``dh = dx W``, ``dW += dx^T h``. Nothing of width V outlives its chunk but DFlash's [P', V] teacher.
+   ``dx = (gs + gh) softmax(x) - gs p - gh onehot`` (``losses._TokenCE``'s gradient; plus alpha's,
+   see the class) to the matmuls ``dh = dx W``, ``dW += dx^T h``. Nothing of width V outlives its
+   chunk but DFlash's [P', V] teacher.
 
-The per-position results ([..., k] CE with grad, draft argmax, a ``Verification``) feed
-``losses.vat_objective`` and ``metrics.chain_metrics`` unchanged, so weights and reduction are
-the unchunked path's. Values and gradients equal it to float rounding (``tests/test_chunked.py``).
+The per-position results (``losses.PositionTerms`` [..., k] with grad, draft argmax, a
+``Verification``) feed ``losses.vat_objective`` and ``metrics.chain_metrics`` unchanged, so weights
+and reduction are the unchunked path's. Values and gradients equal it to float rounding
+(``tests/test_chunked.py``).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from torch import Tensor
 
 from vatspec.drafters.base import DraftOutput
 from vatspec.drafters.vocab import target_ids
-from vatspec.losses import LossConfig, hard_labels
+from vatspec.losses import LossConfig, PositionTerms, entropy, hard_labels
 from vatspec.verify import Verification, chain_verification, draft_to_target, position_stats
 
 
@@ -52,37 +55,41 @@ def head_logits(hidden: Tensor, weight: Tensor, softcap: float | None = None, ou
 
 
 class _ChunkedHeadCE(torch.autograd.Function):
-    """Soft and hard CE of ``head_logits(hidden, weight)`` over rows, ``chunk`` rows at a time.
+    """Soft and hard CE (and alpha) of ``head_logits(hidden, weight)`` over rows, ``chunk`` rows at a time.
 
     Inputs: hidden [N, H], weight [Vd, H], p [P, Vd] soft labels read at rows p_index [N] (or None),
-    labels [N] draft ids (or None). ``on_chunk(x, start, end)``, if given, sees each chunk's float32
-    logits (no grad) once in forward. Returns (soft [N] or None, hard [N] or None, argmax [N]).
+    labels [N] draft ids (or None), alpha (bool: also ``sum min(p, q)``, needs p). ``on_chunk(x, start,
+    end)``, if given, sees each chunk's float32 logits (no grad) once in forward. Returns (soft [N] or
+    None, hard [N] or None, alpha [N] or None, argmax [N]).
     Saves its inputs and the log-normaliser [N]; backward recomputes each chunk's logits. One
-    [chunk, Vd] buffer (two with soft labels) serves every chunk, worked on in place.
+    [chunk, Vd] buffer (two with soft labels, three with alpha) serves every chunk, worked on in place.
 
-    With ``lse = logsumexp(x)`` and p summing to 1: ``soft = lse - p.x``, ``hard = lse - x[label]``;
-    backward: ``dx = (gs + gh) exp(x - lse) - gs p - gh onehot`` (``losses._TokenCE``'s gradient).
+    With ``lse = logsumexp(x)``, ``q = exp(x - lse)`` and p summing to 1: ``soft = lse - p.x``,
+    ``hard = lse - x[label]``, ``alpha = sum min(p, q)``; backward, with ``m = [q < p]`` and
+    ``S = sum m q``: ``dx = (gs + gh - ga S) q + ga m q - gs p - gh onehot`` (``losses._TokenCE``'s
+    gradient, plus alpha's: ``d alpha / dx_u = m_u q_u - q_u S``).
     Both run outside autocast: it would cast the matmuls' inputs to bf16, which the float32 buffers
     refuse, so under bf16 autocast the chunked logits are those of the weight's own dtype.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, p, p_index, labels, chunk, softcap, on_chunk):
+    def forward(ctx, hidden, weight, p, p_index, labels, alpha, chunk, softcap, on_chunk):
         with torch.autocast(hidden.device.type, enabled=False):
-            return _ChunkedHeadCE._forward(ctx, hidden, weight, p, p_index, labels, chunk, softcap, on_chunk)
+            return _ChunkedHeadCE._forward(ctx, hidden, weight, p, p_index, labels, alpha, chunk, softcap, on_chunk)
 
     @staticmethod
-    def backward(ctx, g_soft, g_hard, _g_argmax):
+    def backward(ctx, g_soft, g_hard, g_alpha, _g_argmax):
         with torch.autocast(ctx.saved_tensors[0].device.type, enabled=False):
-            return _ChunkedHeadCE._backward(ctx, g_soft, g_hard)
+            return _ChunkedHeadCE._backward(ctx, g_soft, g_hard, g_alpha)
 
     @staticmethod
-    def _forward(ctx, hidden, weight, p, p_index, labels, chunk, softcap, on_chunk):
+    def _forward(ctx, hidden, weight, p, p_index, labels, alpha, chunk, softcap, on_chunk):
         N = hidden.shape[0]
         dtype = torch.promote_types(weight.dtype, torch.float32)
         dev = hidden.device
         soft = torch.empty(N, dtype=dtype, device=dev) if p is not None else None
         hard = torch.empty(N, dtype=dtype, device=dev) if labels is not None else None
+        acc = torch.empty(N, dtype=dtype, device=dev) if alpha else None
         argmax = torch.empty(N, dtype=torch.long, device=dev)
         lse = torch.empty(N, dtype=dtype, device=dev)
         xbuf = torch.empty(min(chunk, N), weight.shape[0], dtype=dtype, device=dev)
@@ -100,18 +107,21 @@ class _ChunkedHeadCE(torch.autograd.Function):
                 dot = torch.einsum("nv,nv->n", pc, x)
             x_label = x.gather(-1, labels[s:e, None]).squeeze(-1) if labels is not None else None
             m = x.amax(-1)
-            lse[s:e] = x.sub_(m[:, None]).exp_().sum(-1).log_().add_(m)  # x is spent from here on
+            z = x.sub_(m[:, None]).exp_().sum(-1)  # x holds exp(x - m) from here on
+            lse[s:e] = z.log().add_(m)
             if p is not None:
                 soft[s:e] = lse[s:e] - dot
             if labels is not None:
                 hard[s:e] = lse[s:e] - x_label
+            if alpha:  # q = exp(x - m) / z
+                acc[s:e] = torch.minimum(x.div_(z[:, None]), pc, out=x).sum(-1)
         ctx.save_for_backward(hidden, weight, p, p_index, labels, lse)
         ctx.chunk, ctx.softcap = chunk, softcap
         ctx.mark_non_differentiable(argmax)
-        return soft, hard, argmax
+        return soft, hard, acc, argmax
 
     @staticmethod
-    def _backward(ctx, g_soft, g_hard):
+    def _backward(ctx, g_soft, g_hard, g_alpha):
         hidden, weight, p, p_index, labels, lse = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[:2]
         N, cap = hidden.shape[0], ctx.softcap
@@ -120,20 +130,32 @@ class _ChunkedHeadCE(torch.autograd.Function):
         dw = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if need_w else None
         use_soft = p is not None and g_soft is not None
         use_hard = labels is not None and g_hard is not None
+        use_alpha = p is not None and g_alpha is not None
         xbuf = torch.empty(min(ctx.chunk, N), weight.shape[0], dtype=dtype, device=hidden.device)
-        pbuf = torch.empty_like(xbuf) if use_soft else None
+        pbuf = torch.empty_like(xbuf) if use_soft or use_alpha else None
+        mbuf = torch.empty_like(xbuf) if use_alpha else None
         zero = torch.zeros(N, dtype=dtype, device=hidden.device)
         gs = g_soft.to(dtype) if use_soft else zero
         gh = g_hard.to(dtype) if use_hard else zero
+        ga = g_alpha.to(dtype) if use_alpha else zero
         for s in range(0, N, ctx.chunk):
             e = min(N, s + ctx.chunk)
             h = hidden[s:e].to(weight.dtype)
             x = head_logits(h, weight, cap, out=xbuf[: e - s])  # [c, Vd]
             dcap = 1 - (x / cap) ** 2 if cap else None  # x = c tanh(z / c): dx/dz = 1 - (x / c)^2
-            dx = x.sub_(lse[s:e, None]).exp_().mul_((gs[s:e] + gh[s:e])[:, None])  # in place: softmax * g
-            if use_soft:
+            pc = None
+            if use_soft or use_alpha:
                 pc = torch.index_select(p, 0, p_index[s:e], out=pbuf[: e - s]) if p.dtype == dtype \
                     else p[p_index[s:e]].to(dtype)
+            q = x.sub_(lse[s:e, None]).exp_()  # in place: softmax
+            coef = gs[s:e] + gh[s:e]
+            if use_alpha:
+                mq = torch.mul(q, q < pc, out=mbuf[: e - s])  # m q: the columns where q < p
+                coef = coef - ga[s:e] * mq.sum(-1)
+                dx = q.mul_(coef[:, None]).add_(mq.mul_(ga[s:e, None]))
+            else:
+                dx = q.mul_(coef[:, None])
+            if use_soft:
                 dx.addcmul_(pc, gs[s:e, None], value=-1)
             if use_hard:
                 dx.scatter_add_(-1, labels[s:e, None], -gh[s:e, None])
@@ -144,7 +166,7 @@ class _ChunkedHeadCE(torch.autograd.Function):
                 dh[s:e] = (dxw @ weight).to(dh.dtype)
             if need_w:
                 dw.addmm_(dx.T, h.to(dtype))
-        return dh, dw.to(weight.dtype) if need_w else None, None, None, None, None, None, None
+        return dh, dw.to(weight.dtype) if need_w else None, None, None, None, None, None, None, None
 
 
 def chunked_token_ce(
@@ -157,14 +179,16 @@ def chunked_token_ce(
     chunk_size: int,
     softcap: float | None = None,
     on_chunk: Callable[[Tensor, int, int], None] | None = None,
-) -> tuple[Tensor | None, Tensor | None, Tensor]:
+    alpha: bool = False,
+) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor]:
     """Per-row soft and hard CE of the logits ``hidden [N, H] @ weight [Vd, H]^T`` (float32 or wider),
     never holding more than ``chunk_size`` rows of them.
 
     p [P, Vd] soft labels read at ``p_index [N]`` (None: no soft term); labels [N] draft ids (None: no
-    hard term). Returns ``(soft [N] or None, hard [N] or None, draft argmax [N])``. Equal to
-    ``losses.token_ce(head_logits(hidden, weight), p[p_index], labels)``, gradients w.r.t. hidden and
-    weight included.
+    hard term); alpha: also the expected acceptance ``sum min(p, q)`` per row (needs p). Returns
+    ``(soft [N] or None, hard [N] or None, alpha [N] or None, draft argmax [N])``. Equal to
+    ``losses.token_ce(head_logits(hidden, weight), p[p_index], labels)`` and ``losses.acceptance``,
+    gradients w.r.t. hidden and weight included.
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
@@ -175,7 +199,9 @@ def chunked_token_ce(
         assert p_index is not None and p_index.shape == hidden.shape[:1] and p.shape[1] == weight.shape[0], (
             f"p {tuple(p.shape)} must be [P, Vd] with p_index [N]"
         )
-    return _ChunkedHeadCE.apply(hidden, weight, p, p_index, labels, int(chunk_size), softcap, on_chunk)
+    if alpha and p is None:
+        raise ValueError("chunked_token_ce: alpha needs the soft labels p")
+    return _ChunkedHeadCE.apply(hidden, weight, p, p_index, labels, bool(alpha), int(chunk_size), softcap, on_chunk)
 
 
 def teacher(
@@ -186,12 +212,14 @@ def teacher(
     chunk_size: int,
     soft: bool,
     head: Callable[[Tensor], Tensor] | None = None,
-) -> tuple[Tensor, Tensor | None]:
+    with_entropy: bool = False,
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """The target side of the chunked path (no grad): for ``table [P, V]`` target logits (or, with
     ``head``, rows [P, H_t] that ``head`` turns into logits) read at ``rows [U]``, the target argmax
-    ``[U]`` (full vocabulary) and, if ``soft``, the soft labels ``[U, Vd]``: the target softmax over
+    ``[U]`` (full vocabulary), if ``soft`` the soft labels ``[U, Vd]``: the target softmax over
     the draft vocabulary's target ids (``d2t``; all V if None), renormalised over them
-    (``losses.soft_targets``). ``chunk_size`` rows of width V at a time."""
+    (``losses.soft_targets``), and if ``with_entropy`` their entropy ``[U]`` (``losses.entropy``).
+    ``chunk_size`` rows of width V at a time."""
     with torch.no_grad():
         tid = target_ids(d2t) if d2t is not None else None
         U = rows.shape[0]
@@ -207,7 +235,7 @@ def teacher(
             if soft:
                 cols = t.index_select(-1, tid) if tid is not None else t
                 p[s:e] = torch.softmax(cols.to(p.dtype), dim=-1)
-        return argmax, p
+        return argmax, p, (entropy(p) if with_entropy and p is not None else None)
 
 
 def chunked_pass(
@@ -217,16 +245,16 @@ def chunked_pass(
     d2t: Tensor | None = None,
     t2d: Tensor | None = None,
     generator: torch.Generator | None = None,
-) -> tuple[Verification, tuple[Tensor | None, Tensor | None], Tensor]:
-    """Verification, the per-position CE and the draft argmax of a chunked ``DraftOutput``
+) -> tuple[Verification, PositionTerms, Tensor]:
+    """Verification, the per-position terms and the draft argmax of a chunked ``DraftOutput``
     (``out.logits`` is None; ``out.lm_head``, ``out.target_logits [P, V]`` and ``out.target_index``
     given), ``cfg.chunk_size`` rows at a time.
 
-    Returns ``(v, (soft [..., k] or None, hard [..., k] or None), draft_argmax [..., k])``: what
-    ``simulate_verification``, ``losses.token_ce`` and the metrics compute from full logits, for
-    ``vat_objective(..., ce=...)`` and ``chain_metrics(..., draft_argmax=...)``. Soft and hard CE are
-    0 and the argmax 0 at positions the pass skips (invalid ones, outside sampled mode): every
-    consumer masks them.
+    Returns ``(v, PositionTerms (soft / hard CE, alpha, H(p), each [..., k] or None), draft_argmax
+    [..., k])``: what ``simulate_verification``, ``losses.position_terms`` and the metrics compute from
+    full logits, for ``vat_objective(..., terms=..., draft_argmax=...)`` and ``chain_metrics(...,
+    draft_argmax=...)``. Every term is 0 and the argmax 0 at positions the pass skips (invalid ones,
+    outside sampled mode): every consumer masks them.
     """
     if out.logits is not None or out.lm_head is None or out.target_index is None:
         raise ValueError("chunked_pass needs a DraftOutput made with with_logits=False (lm_head and target_index)")
@@ -246,7 +274,8 @@ def chunked_pass(
 
     # 1. teacher, once per target row read
     used, inv = torch.unique(rows, return_inverse=True)  # [U], [N']
-    t_argmax, p = teacher(table, used, d2t, chunk_size=C, soft=bool(cfg.soft), head=out.target_head)
+    t_argmax, p, ent = teacher(table, used, d2t, chunk_size=C, soft=cfg.uses_soft_labels, head=out.target_head,
+                               with_entropy=cfg.uses_entropy)
     target_argmax = torch.zeros(valid.numel(), dtype=torch.long, device=valid.device)
     target_argmax[pos] = t_argmax[inv]
     target_argmax = target_argmax.view(lead)
@@ -268,16 +297,16 @@ def chunked_pass(
     else:
         on_chunk = None
     hidden = out.hidden.reshape(-1, H)[pos]  # [N', H]
-    soft, hard, argmax = chunked_token_ce(
-        hidden, out.lm_head, p, inv if cfg.soft else None, labels.reshape(-1)[pos] if cfg.hard else None,
-        chunk_size=C, softcap=out.softcap, on_chunk=on_chunk,
+    soft, hard, alpha, argmax = chunked_token_ce(
+        hidden, out.lm_head, p, inv if p is not None else None, labels.reshape(-1)[pos] if cfg.hard else None,
+        chunk_size=C, softcap=out.softcap, on_chunk=on_chunk, alpha=cfg.uses_alpha,
     )
 
     # 3. back to [..., k], 0 where the pass skipped a position
     def spread(x: Tensor | None) -> Tensor | None:
         return None if x is None else x.new_zeros(valid.numel()).index_put((pos,), x).view(lead)
 
-    ce = (spread(soft), spread(hard))
+    terms = PositionTerms(spread(soft), spread(hard), spread(alpha), spread(ent[inv] if ent is not None else None))
     draft_argmax = spread(argmax)
     with torch.no_grad():
         if cfg.verify == "greedy":
@@ -287,4 +316,4 @@ def chunked_pass(
             stat = spread(stat)
             draft_token = spread(draft_token) if cfg.verify == "sampled" else None
     v = chain_verification(stat, valid, target_argmax, draft_token, mode=cfg.verify, generator=generator)
-    return v, ce, draft_argmax
+    return v, terms, draft_argmax

@@ -22,12 +22,12 @@ COMMANDS: dict[str, str] = {
     "prepare-data": "write a training prompt file from bundled corpora",
     "regenerate": "replace assistant turns by the target's own responses",
     "cache-features": "run the target once and store its layer outputs for training (or --validate a cache)",
-    "train": "train an EAGLE-3 or DFlash drafter (loss.kind=eagle3|dflash|vat)",
+    "train": "train an EAGLE-3 or DFlash drafter (loss.kind=vat|eagle3|dflash|kl|tv|lk|dpace|specauf|dspark)",
     "eval": "speculative decoding: tau and wall-clock speedup on benchmarks",
     "export": "write a draft in SGLang / vLLM / speculators format",
     "check": "check a served draft folder the way the engines load it, and measure its acceptance",
     "demo": "the main job: baselines vs VAT on the embedded default target",
-    "ablate": "the paper's ablation on one drafter",
+    "ablate": "the paper's ablation on one drafter, or (--arms) draft objectives side by side",
 }
 
 

@@ -1,4 +1,4 @@
-"""Draft-training losses: position weights, soft / hard cross-entropy, the accept-head BCE.
+"""Draft-training losses: position weights, per-position token terms, the accept-head BCE.
 
 Pure torch; the loss holds no state. Every drafter reduces a batch to chains ``[..., k]`` (see
 ``drafters/base.py``), so each function here acts on ``[..., k]`` and knows nothing of the drafter.
@@ -11,8 +11,24 @@ Position weights (0-based j; the paper writes them 1-based):
 - adaptive (VAT): 1 up to and including the first rejection r, then the same curve restarted at r:
   ``w_j = 1 if j <= r else base(j - r)``.     r = 1:  pos = 0 1 2 3 -> w = 1 1 0.8 0.64
   In expected mode r is random; the weight is its exact expectation (see ``vat_weights``).
+- dpace (D-PACE): ``w_j = sum_{m>=j} prod_{i<=m} s_i``, ``s_i = (1 - a) exp(-CE_i) + a`` (``dpace_weights``).
+- truncated (Spec-AUF): the fixed curve up to and including the draft's own first failure f, then 0:
+  f = 1:  pos = 0 1 2 3 -> w = 1 0.8 0 0   (``truncated_weights``).
+
+Per-position token terms, with p the target softmax over the draft vocabulary (renormalised,
+``soft_targets``) and q the draft's softmax:
+
+- soft CE ``-sum p log q``; hard CE ``-log q(argmax p)``;
+- kl: ``KL(p || q) = soft CE - H(p)`` (the same gradient as soft CE; ``kl_divergence``);
+- tv: ``TV(p, q) = 1 - alpha``, ``alpha = sum_x min(p, q)`` the expected acceptance (``acceptance``);
+- lk: ``lk_kl * KL + (1 - lk_kl) * -log alpha`` (the LK losses' hybrid; ``lk_loss``).
+
+Heads: VAT's head is trained by BCE on the alive bit (every earlier position accepted); DSpark's
+confidence head (``head_label="alpha"``) by BCE toward alpha, its sigmoids multiplied along the chain
+at inference (``head_bce``, ``AcceptHead.prefix_alive``).
 
 The full VAT objective (paper): ``sum_j w_j (CE_soft + CE_hard) + beta * BCE(head, alive)``, beta = 1.
+Every kind is one ``LossConfig`` preset of these switches (``_PRESETS``).
 """
 
 from __future__ import annotations
@@ -20,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -27,11 +44,18 @@ from torch import Tensor
 
 from vatspec.drafters.base import DraftOutput
 from vatspec.drafters.vocab import target_ids
-from vatspec.verify import MODES, Verification, target_to_draft
+from vatspec.verify import MODES, Verification, draft_to_target, target_to_draft
 
 SCHEDULES = ("eagle3", "dflash")
-KINDS = ("eagle3", "dflash", "vat")
-WEIGHTS = ("fixed", "adaptive")
+KINDS = ("eagle3", "dflash", "vat", "kl", "tv", "lk", "dpace", "specauf", "dspark")
+WEIGHTS = ("fixed", "adaptive", "dpace", "truncated")
+HEAD_LABELS = ("alive", "alpha")  # VAT: the alive bit; DSpark: alpha = 1 - TV(p, q)
+
+# D-PACE's floor a in s_i = (1 - a) exp(-CE_i) + a (the D-PACE paper's value)
+DPACE_A = 0.5
+# -log alpha is taken of max(alpha, ALPHA_FLOOR): a draft with no overlap with p (alpha = 0 in
+# float32) would give an infinite loss; 1e-6 is far below 1/Vd for any draft vocabulary used here
+ALPHA_FLOOR = 1e-6
 
 # Positions per chunk of the chunked lm_head + CE path (loss.chunk_size; 0 = all at once). Chosen by
 # scripts/bench_vocab_memory.py (docs/design.md, "Memory at large vocabularies").
@@ -41,12 +65,24 @@ DEFAULT_CHUNK_SIZE = 256
 # round(block / 2.3), which reproduces 16 -> 7 and stays close to the rest (10 -> 4, 8 -> 3).
 DFLASH_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 
-# What each kind switches on. "vat" takes its curve from the drafter's schedule (resolve()).
+# What each kind switches on. A curve of None is the drafter's schedule's, and STANDARD soft / hard
+# the drafter's own CE (EAGLE-3: soft, DFlash: hard), both filled by resolve().
+STANDARD = "standard"
+_OFF = {"kl": False, "tv": False, "lk": False, "head_label": "alive"}
 _PRESETS: dict[str, dict[str, object]] = {
-    "eagle3": {"weights": "fixed", "soft": True, "hard": False, "head": False, "curve": "eagle3"},
-    "dflash": {"weights": "fixed", "soft": False, "hard": True, "head": False, "curve": "dflash"},
-    "vat": {"weights": "adaptive", "soft": True, "hard": True, "head": True, "curve": None},
+    "eagle3": {**_OFF, "weights": "fixed", "soft": True, "hard": False, "head": False, "curve": "eagle3"},
+    "dflash": {**_OFF, "weights": "fixed", "soft": False, "hard": True, "head": False, "curve": "dflash"},
+    "vat": {**_OFF, "weights": "adaptive", "soft": True, "hard": True, "head": True, "curve": None},
+    "kl": {**_OFF, "weights": "fixed", "soft": False, "hard": False, "head": False, "curve": "eagle3", "kl": True},
+    "tv": {**_OFF, "weights": "fixed", "soft": False, "hard": False, "head": False, "curve": None, "tv": True},
+    "lk": {**_OFF, "weights": "fixed", "soft": False, "hard": False, "head": False, "curve": None, "lk": True},
+    "dpace": {**_OFF, "weights": "dpace", "soft": STANDARD, "hard": STANDARD, "head": False, "curve": None},
+    "specauf": {**_OFF, "weights": "truncated", "soft": STANDARD, "hard": STANDARD, "head": False, "curve": None},
+    "dspark": {**_OFF, "weights": "fixed", "soft": STANDARD, "hard": STANDARD, "head": True, "curve": None,
+               "head_label": "alpha"},
 }
+# the baseline kind of each drafter schedule: what the other kinds are compared with
+BASELINE = {"eagle3": "eagle3", "dflash": "dflash"}
 
 # The paper's ablations, each one part of VAT switched on over a baseline kind:
 # LossConfig(kind="dflash", **ABLATIONS["head"]) is "DFlash + head only".
@@ -68,20 +104,29 @@ def dflash_gamma(block_size: int) -> float:
 @dataclass(frozen=True)
 class LossConfig:
     """Which terms make up the draft loss. ``None`` fields are filled from ``kind``'s preset by
-    ``resolve``; set one to override it (that is how the ablations are written).
+    ``resolve``; set one to override it (that is how the ablations are written, and how kinds
+    compose: ``kind="lk", weights="adaptive"`` is LK with VAT's weights).
 
-    kind:        "eagle3" (soft CE, fixed 0.8**j), "dflash" (hard CE, fixed exp(-j/gamma)) or
-                 "vat" (adaptive weights + soft + hard + head).
-    weights:     "fixed" | "adaptive" position weights.
+    kind:        "eagle3" (soft CE, fixed 0.8**j), "dflash" (hard CE, fixed exp(-j/gamma)), "vat"
+                 (adaptive weights + soft + hard + head), "kl" (forward KL, fixed 0.8**j), "tv" (1 - alpha,
+                 the drafter's curve), "lk" (the LK hybrid, the drafter's curve), "dpace" (the drafter's
+                 CE with D-PACE weights), "specauf" (the drafter's CE up to its first failure only),
+                 "dspark" (the drafter's CE + a confidence head trained toward alpha).
+    weights:     "fixed" | "adaptive" | "dpace" | "truncated" position weights.
     soft, hard:  soft CE to the target distribution over the draft vocab / hard CE to its argmax.
-    head:        accept-head BCE on the alive label, scaled by ``beta``.
+    kl, tv, lk:  the per-position KL(p || q), TV(p, q) = 1 - alpha, and LK hybrid terms.
+    lk_kl:       the LK hybrid's KL share: ``lk_kl * KL + (1 - lk_kl) * -log alpha``; 0 = -log alpha
+                 alone. Default 0.5: an even blend (the LK paper adapts it over training; not tuned here).
+    head:        accept-head BCE, scaled by ``beta``.
+    head_label:  what the head learns: "alive" (VAT: every earlier position accepted) or "alpha"
+                 (DSpark: the position's expected acceptance, multiplied along the chain at inference).
     verify:      verification rule simulated for the labels ("greedy" | "sampled" | "expected").
     temperature: verification temperature (sampled / expected); the CE targets always use T = 1.
     decay:       base of the "eagle3" curve, ``decay**j``.
     gamma:       "dflash" curve ``exp(-j/gamma)``; None = the DFlash reference for the block size
                  (``dflash_gamma``: 7 for block 16, 5 for 10, 4 for 8).
     curve:       "eagle3" | "dflash" shape of the fixed curve and of VAT's restarted curve; None =
-                 the kind's own, and for "vat" the drafter's schedule.
+                 the kind's own, and for "vat", "tv", "lk", "dpace", "specauf", "dspark" the drafter's.
     chunk_size:  0 = the logits [N, Vd] and target logits [N, V] of all N = chains x k positions at
                  once; C > 0 = the lm_head, CE and verification statistics C positions at a time
                  (``vatspec.chunked``): same values and gradients, peak memory of C rows instead of
@@ -92,7 +137,12 @@ class LossConfig:
     weights: str | None = None
     soft: bool | None = None
     hard: bool | None = None
+    kl: bool | None = None
+    tv: bool | None = None
+    lk: bool | None = None
+    lk_kl: float = 0.5
     head: bool | None = None
+    head_label: str | None = None
     beta: float = 1.0
     verify: str = "greedy"
     temperature: float = 1.0
@@ -109,9 +159,13 @@ class LossConfig:
             raise bad("kind", f"one of {KINDS}")
         if self.weights is not None and self.weights not in WEIGHTS:
             raise bad("weights", f"one of {WEIGHTS} or None")
-        for name in ("soft", "hard", "head"):
+        for name in ("soft", "hard", "kl", "tv", "lk", "head"):
             if getattr(self, name) not in (None, True, False):
                 raise bad(name, "a bool or None")
+        if not (isinstance(self.lk_kl, (int, float)) and 0 <= self.lk_kl <= 1):
+            raise bad("lk_kl", "in [0, 1]")
+        if self.head_label is not None and self.head_label not in HEAD_LABELS:
+            raise bad("head_label", f"one of {HEAD_LABELS} or None")
         if not (isinstance(self.beta, (int, float)) and math.isfinite(self.beta) and self.beta >= 0):
             raise bad("beta", "a finite number >= 0")
         if self.verify not in MODES:
@@ -130,29 +184,52 @@ class LossConfig:
     @property
     def resolved(self) -> bool:
         """True when no field is left for ``resolve`` to fill."""
-        need = (self.weights, self.soft, self.hard, self.head, self.curve)
+        need = (self.weights, self.soft, self.hard, self.kl, self.tv, self.lk, self.head, self.head_label, self.curve)
         return all(x is not None for x in need) and (self.curve != "dflash" or self.gamma is not None)
 
+    @property
+    def uses_alpha(self) -> bool:
+        """The loss reads alpha = sum min(p, q) per position (tv, lk, DSpark's head)."""
+        return bool(self.tv or self.lk or (self.head and self.head_label == "alpha"))
+
+    @property
+    def uses_entropy(self) -> bool:
+        """The loss reads H(p) per position (KL = soft CE - H(p): kl, and lk with a KL share)."""
+        return bool(self.kl or (self.lk and self.lk_kl > 0))
+
+    @property
+    def uses_soft_labels(self) -> bool:
+        """The loss reads p, the target softmax over the draft vocabulary."""
+        return bool(self.soft or self.uses_alpha or self.uses_entropy)
+
     def resolve(self, schedule: str, *, block_size: int | None = None) -> LossConfig:
-        """Fill every None from the kind's preset and the drafter's ``schedule`` ("eagle3" | "dflash").
+        """Fill every None from the kind's preset and the drafter's ``schedule`` ("eagle3" | "dflash"),
+        and refuse a combination that cannot train (ValueError, one line).
 
         block_size: the drafter's block (DFlash: k + 1) for the default gamma; needed only when the
         curve is "dflash" and gamma is None. Idempotent.
         """
         preset = {**_PRESETS[self.kind], "curve": self.curve_for(schedule)}
+        for name in ("soft", "hard"):  # the drafter's own CE
+            if preset[name] == STANDARD:
+                preset[name] = _PRESETS[BASELINE[schedule]][name]
         fill = {name: v for name, v in preset.items() if getattr(self, name) is None}
         cfg = dataclasses.replace(self, **fill)
         if cfg.curve == "dflash" and cfg.gamma is None:
             if block_size is None:
                 raise ValueError("LossConfig.gamma is None and no block_size was given to pick the default")
             cfg = dataclasses.replace(cfg, gamma=dflash_gamma(block_size))
-        if not (cfg.soft or cfg.hard or cfg.head):
-            raise ValueError("LossConfig: soft, hard and head are all False; there is nothing to train")
+        if not (cfg.soft or cfg.hard or cfg.kl or cfg.tv or cfg.lk or cfg.head):
+            raise ValueError("LossConfig: soft, hard, kl, tv, lk and head are all False; there is nothing to train")
+        if cfg.weights == "dpace" and not (cfg.soft or cfg.hard):
+            raise ValueError("loss.weights=dpace weighs positions by exp(-CE): it needs loss.soft or loss.hard on")
+        if cfg.head_label == "alpha" and not cfg.head:
+            raise ValueError("loss.head_label=alpha is the label of a head: it needs loss.head=true")
         return cfg
 
     def curve_for(self, schedule: str) -> str:
         """The curve ``resolve`` picks for a drafter of ``schedule``: ``curve`` if set, else the kind's
-        own ("eagle3" | "dflash"), else (``vat``) the drafter's schedule."""
+        own ("eagle3" | "dflash"), else (``vat`` and the kinds built on the drafter's loss) the drafter's schedule."""
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
         return self.curve or _PRESETS[self.kind]["curve"] or schedule
@@ -221,6 +298,107 @@ def vat_weights(v: Verification, schedule: str, *, decay: float = 0.8, gamma: fl
             p_reject = v.alive * (1.0 - v.accept.float())  # [..., k] P(r = i)
             w = v.alive + p_reject @ B  # [..., k]
         return w * valid_f
+
+
+def dpace_weights(ce: Tensor, valid: Tensor, a: float = DPACE_A) -> Tensor:
+    """[..., k] D-PACE position weights (detached) from per-position CE ``[..., k]``.
+
+    ``s_i = (1 - a) exp(-CE_i) + a`` (exp(-CE) stands for the chance position i is accepted; a floors
+    it), ``w_j = sum_{m >= j} prod_{i <= m} s_i`` over the valid positions: position j weighs what
+    every later position that it leads to is worth. CE = inf (a target outside the draft vocabulary,
+    never accepted) gives s = a. Example, a = 0.5::
+
+        ce   = 0    ln 2  inf   -> exp(-ce) = 1 0.5 0 -> s = 1 0.75 0.5
+        prod = 1    0.75  0.375 -> w = 2.125 1.125 0.375
+    """
+    with torch.no_grad():
+        s = (1.0 - a) * torch.exp(-ce.float()) + a
+        prod = torch.where(valid, s, torch.zeros_like(s)).cumprod(-1)  # 0 from the first invalid position on
+        return prod.flip(-1).cumsum(-1).flip(-1) * valid
+
+
+def first_failure(draft_argmax: Tensor, target_argmax: Tensor, d2t: Tensor | None) -> Tensor:
+    """[...] long: the first position where the draft's argmax (draft ids ``[..., k]``) differs from the
+    target's (target ids), i.e. the length of the leading run of matches; k if every position matches.
+    draft a b x d, target a b c d -> 2."""
+    with torch.no_grad():
+        match = draft_to_target(draft_argmax, d2t) == target_argmax
+        return match.long().cumprod(-1).sum(-1)
+
+
+def truncated_weights(first_fail: Tensor, valid: Tensor, schedule: str, *, decay: float = 0.8,
+                      gamma: float = 7.0) -> Tensor:
+    """[..., k] Spec-AUF weights (detached): the fixed curve up to and including the draft's own first
+    failure f (``first_failure``, ``[...]``), 0 after: the positions after f, which verification would
+    never reach, get no loss (no tail, unlike VAT's weights)::
+
+        eagle3, f = 1:  pos = 0 1 2 3 -> w = 1 0.8 0 0
+        eagle3, f = 4:  pos = 0 1 2 3 -> w = 1 0.8 0.64 0.512   (no failure: the fixed curve)
+    """
+    with torch.no_grad():
+        k = valid.shape[-1]
+        w = fixed_weights(k, schedule, decay=decay, gamma=gamma, device=valid.device)  # [k]
+        keep = torch.arange(k, device=valid.device) <= first_fail.unsqueeze(-1)  # [..., k]
+        return w * (keep & valid)
+
+
+# ----------------------------------------------------------------------------------------------
+# Per-position terms beside CE: p [..., Vd] the target distribution over the draft vocabulary
+# (``soft_targets``), the draft's logits [..., Vd].
+
+
+def acceptance(p: Tensor, logits: Tensor) -> Tensor:
+    """[...] expected acceptance ``alpha = sum_x min(p(x), q(x))``, q = softmax(logits), with grad
+    through q; ``1 - alpha = TV(p, q)``. p = (0.7, 0.3), q = (0.4, 0.6) -> alpha = 0.4 + 0.3 = 0.7."""
+    q = torch.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+    return torch.minimum(p.to(q.dtype), q).sum(-1)
+
+
+def entropy(p: Tensor) -> Tensor:
+    """[...] ``H(p) = -sum p log p`` (0 log 0 = 0), no grad. p = (0.5, 0.5) -> ln 2."""
+    with torch.no_grad():
+        return torch.special.entr(p.float()).sum(-1)
+
+
+def kl_divergence(soft_ce: Tensor, p_entropy: Tensor) -> Tensor:
+    """[...] forward ``KL(p || q) = -sum p log q - H(p)``: the soft CE less the target's entropy, so
+    its gradient is the soft CE's. p = (0.5, 0.5), q = (0.25, 0.75): soft CE = 0.5 (ln 4 + ln 4/3)
+    = 0.837, H = ln 2 = 0.693 -> KL = 0.144."""
+    return soft_ce - p_entropy
+
+
+def tv_loss(alpha: Tensor) -> Tensor:
+    """[...] total variation ``TV(p, q) = 1 - alpha``: the chance the position is rejected under
+    speculative sampling. alpha = 0.7 -> 0.3."""
+    return 1.0 - alpha
+
+
+def lk_loss(alpha: Tensor, kl: Tensor | None, kl_share: float) -> Tensor:
+    """[...] the LK hybrid ``kl_share * KL + (1 - kl_share) * -log alpha`` (``kl`` may be None when
+    ``kl_share`` is 0). -log alpha is the loss of the expected acceptance itself; the KL share keeps a
+    gradient on all of q when alpha is small. alpha = 0.5, KL = 0.2, share 0.5 -> 0.1 + 0.5 ln 2 = 0.447."""
+    nll = -torch.log(alpha.clamp(min=ALPHA_FLOOR))
+    return nll if kl_share == 0 else kl_share * kl + (1.0 - kl_share) * nll
+
+
+def head_bce(head_logits: Tensor, label: Tensor, valid: Tensor) -> Tensor:
+    """The head's loss: BCE of ``head_logits [..., k]`` toward ``label [..., k]`` (detached), averaged over
+    the valid positions. VAT's label is the alive bit; DSpark's confidence head's the soft label alpha
+    = 1 - TV(p, q). Logit 0 -> BCE = log 2 whatever the label."""
+    bce = F.binary_cross_entropy_with_logits(head_logits.float(), label.detach().float(), reduction="none")
+    return torch.where(valid, bce, torch.zeros_like(bce)).sum() / valid.sum().clamp(min=1)
+
+
+def head_alive_logits(head_logits: Tensor, label: str) -> Tensor:
+    """[..., k] the head's prediction of the alive bit, as logits (detached, for the metrics): VAT's
+    head predicts it directly; a confidence head (label "alpha") predicts each position's acceptance
+    c_j, so alive_j = prod_{i<j} c_i. c = 0.9 0.8 0.5 -> alive = 1 0.9 0.72."""
+    if label == "alive":
+        return head_logits
+    with torch.no_grad():
+        c = torch.sigmoid(head_logits.float())
+        alive = torch.cat([torch.ones_like(c[..., :1]), c[..., :-1]], dim=-1).cumprod(-1)
+        return torch.logit(alive, eps=1e-6)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -333,6 +511,53 @@ def hard_labels(
         return labels, in_vocab
 
 
+class PositionTerms(NamedTuple):
+    """The per-position quantities the objective reduces, each ``[..., k]`` or None when not needed:
+    soft / hard CE (with grad), alpha = sum min(p, q) (with grad), H(p) (no grad)."""
+
+    soft: Tensor | None
+    hard: Tensor | None
+    alpha: Tensor | None = None
+    entropy: Tensor | None = None
+
+
+def position_terms(out: DraftOutput, cfg: LossConfig, labels: Tensor, d2t: Tensor | None) -> PositionTerms:
+    """``PositionTerms`` of ``out`` from its full logits (``loss.chunk_size = 0``; the chunked path
+    computes the same ones chunk by chunk, ``chunked.chunked_pass``). labels: [..., k] draft ids."""
+    p = soft_targets(out.target_logits, d2t) if cfg.uses_soft_labels else None  # [..., k, Vd]
+    soft = hard = None
+    if p is not None or cfg.hard:
+        soft, hard = token_ce(out.logits, p, labels if cfg.hard else None)  # [..., k] each
+    alpha = acceptance(p, out.logits) if cfg.uses_alpha else None
+    h = entropy(p) if cfg.uses_entropy else None
+    return PositionTerms(soft, hard, alpha, h)
+
+
+def position_weights(cfg: LossConfig, v: Verification, terms: PositionTerms, sup: Tensor,
+                     first_fail: Tensor | None) -> Tensor:
+    """[..., k] the weights ``cfg.weights`` names (detached); 0 at invalid positions except for the fixed curve
+    (``_reduce`` masks those). first_fail: [...] the draft's first failure, for "truncated"."""
+    k, valid = sup.shape[-1], v.valid
+    g = cfg.gamma or 1.0
+    if cfg.weights == "fixed":
+        return fixed_weights(k, cfg.curve, decay=cfg.decay, gamma=g, device=sup.device).expand(sup.shape)
+    if cfg.weights == "adaptive":
+        return vat_weights(v, cfg.curve, decay=cfg.decay, gamma=g)
+    if cfg.weights == "truncated":
+        return truncated_weights(first_fail, valid, cfg.curve, decay=cfg.decay, gamma=g)
+    ce = terms.hard if cfg.hard else terms.soft  # dpace: the drafter's own CE (hard when both are on)
+    return dpace_weights(torch.where(sup, ce.detach(), torch.full_like(ce, math.inf)), valid)
+
+
+def token_terms(cfg: LossConfig, t: PositionTerms) -> dict[str, Tensor]:
+    """name -> [..., k] per-position loss, for each token term ``cfg`` switches on."""
+    kl = kl_divergence(t.soft, t.entropy) if cfg.uses_entropy else None
+    terms = {"soft": t.soft if cfg.soft else None, "hard": t.hard if cfg.hard else None,
+             "kl": kl if cfg.kl else None, "tv": tv_loss(t.alpha) if cfg.tv else None,
+             "lk": lk_loss(t.alpha, kl, cfg.lk_kl) if cfg.lk else None}
+    return {name: x for name, x in terms.items() if x is not None}
+
+
 def vat_objective(
     out: DraftOutput,
     v: Verification,
@@ -341,72 +566,68 @@ def vat_objective(
     *,
     d2t: Tensor | None = None,
     t2d: Tensor | None = None,
-    ce: tuple[Tensor | None, Tensor | None] | None = None,
+    terms: PositionTerms | None = None,
+    draft_argmax: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """The draft loss for one batch of chains.
+    """The draft loss for one batch of chains, for every ``loss.kind``.
 
-    out:         DraftOutput (logits [..., k, Vd], target_logits [..., k, V], valid [..., k]).
-    v:           the Verification of ``out`` (labels for the head, first rejection for the weights).
-    head_logits: [..., k] accept-head logits, required when the config has the head on.
-    cfg:         a resolved LossConfig (``cfg.resolved``): resolved once for the drafter when the run
-                 config loads (``config.resolve_loss``), or by hand with ``LossConfig.resolve``.
-    d2t, t2d:    [Vd] long offsets and [V] bool draft-vocab mask; None = identity vocab.
-    ce:          (soft [..., k], hard [..., k]) per-position CE already computed (with grad) by the
-                 chunked path (``chunked.chunked_pass``; ``out.logits`` is None there); None = computed
-                 here from ``out.logits`` and ``out.target_logits``.
+    out:          DraftOutput (logits [..., k, Vd], target_logits [..., k, V], valid [..., k]).
+    v:            the Verification of ``out`` (labels for the head, first rejection for the weights).
+    head_logits:  [..., k] accept-head logits, required when the config has the head on.
+    cfg:          a resolved LossConfig (``cfg.resolved``): resolved once for the drafter when the run
+                  config loads (``config.resolve_loss``), or by hand with ``LossConfig.resolve``.
+    d2t, t2d:     [Vd] long offsets and [V] bool draft-vocab mask; None = identity vocab.
+    terms:        the per-position terms already computed (with grad) by the chunked path
+                  (``chunked.chunked_pass``; ``out.logits`` is None there); None = computed here from
+                  ``out.logits`` and ``out.target_logits``.
+    draft_argmax: [..., k] draft ids, the argmax of the logits; needed with ``terms`` for the
+                  "truncated" weights (else read from ``out.logits``).
 
     Returns (loss: scalar with grad, parts: detached scalars). parts has "loss", one entry per
-    active term ("soft", "hard": the weighted reduced CE as added; "head": the mean BCE before beta)
-    and "weight_mean" (mean weight over supervised positions).
+    active term ("soft", "hard", "kl", "tv", "lk": the weighted reduced term as added; "head": the
+    mean BCE before beta) and "weight_mean" (mean weight over supervised positions).
     """
     assert cfg.resolved, (
         f"vat_objective needs a resolved LossConfig, got {cfg}: resolve it once for the drafter, "
         "with config.load_config / config.resolve_loss or LossConfig.resolve(drafter.schedule, block_size=...)"
     )
-    k = out.valid.shape[-1]
     if v.valid.shape != out.valid.shape:
         raise ValueError(f"Verification valid {tuple(v.valid.shape)} vs DraftOutput valid {tuple(out.valid.shape)}")
     valid = out.valid  # [..., k]
-    V = out.vocab_size
 
-    # 1. labels and weights (no grad)
-    labels, in_vocab = hard_targets(v, d2t, t2d, V)  # [..., k]
-    sup = valid & in_vocab  # supervised by the CE terms; out-of-vocab positions stay rejections in v
-    if cfg.weights == "fixed":
-        w = fixed_weights(k, cfg.curve, decay=cfg.decay, gamma=cfg.gamma or 1.0, device=valid.device)
-        w = w.expand(valid.shape)  # [..., k]
-    else:
-        w = vat_weights(v, cfg.curve, decay=cfg.decay, gamma=cfg.gamma or 1.0)
+    # 1. labels (no grad)
+    labels, in_vocab = hard_targets(v, d2t, t2d, out.vocab_size)  # [..., k]
+    sup = valid & in_vocab  # supervised by the token terms; out-of-vocab positions stay rejections in v
 
-    # 2. token terms: one fused soft + hard CE over a single fp32 log-softmax of the draft logits
+    # 2. per-position terms: CE (one fused soft + hard pass), alpha, H(p)
+    t = terms if terms is not None else position_terms(out, cfg, labels, d2t)
+
+    # 3. weights (no grad)
+    first_fail = None
+    if cfg.weights == "truncated":
+        first_fail = first_failure(out.logits.argmax(-1) if draft_argmax is None else draft_argmax,
+                                   v.target_argmax, d2t)
+    w = position_weights(cfg, v, t, sup, first_fail)
+
+    # 4. token terms, weighted and reduced
     parts: dict[str, Tensor] = {}
     loss = out.hidden.new_zeros((), dtype=torch.float32)
-    if cfg.soft or cfg.hard:
-        if ce is not None:
-            soft_ce, hard_ce = ce
-        else:
-            p_tilde = soft_targets(out.target_logits, d2t) if cfg.soft else None  # [..., k, Vd]
-            soft_ce, hard_ce = token_ce(out.logits, p_tilde, labels if cfg.hard else None)  # [..., k] each
-            del p_tilde
-        if cfg.soft:
-            parts["soft"] = _reduce(w * soft_ce, sup)
-            loss = loss + parts["soft"]
-        if cfg.hard:
-            parts["hard"] = _reduce(w * hard_ce, sup)
-            loss = loss + parts["hard"]
+    for name, per_pos in token_terms(cfg, t).items():
+        parts[name] = _reduce(w * per_pos, sup)
+        loss = loss + parts[name]
 
-    # 3. accept head: BCE on alive over every valid position (out-of-vocab ones included)
+    # 5. head over every valid position (out-of-vocab ones included): VAT's on the alive bit, DSpark's
+    # toward alpha (0 where the target's token is outside the draft vocabulary: never accepted)
     if cfg.head:
         if head_logits is None:
             raise ValueError("LossConfig.head is on but vat_objective got head_logits=None")
         if head_logits.shape != valid.shape:
             raise ValueError(f"head_logits {tuple(head_logits.shape)} must be {tuple(valid.shape)}")
-        bce = F.binary_cross_entropy_with_logits(head_logits.float(), v.alive.float(), reduction="none")
-        n_valid = valid.sum().clamp(min=1)
-        parts["head"] = torch.where(valid, bce, torch.zeros_like(bce)).sum() / n_valid
+        label = v.alive if cfg.head_label == "alive" else t.alpha.detach() * in_vocab
+        parts["head"] = head_bce(head_logits, label, valid)
         loss = loss + cfg.beta * parts["head"]
 
-    parts = {name: t.detach() for name, t in parts.items()}
+    parts = {name: x.detach() for name, x in parts.items()}
     parts["loss"] = loss.detach()
     parts["weight_mean"] = (w * sup).sum() / sup.sum().clamp(min=1)
     return loss, parts

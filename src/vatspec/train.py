@@ -38,7 +38,7 @@ from vatspec.config import Config, OptimConfig, dump_config
 from vatspec.drafters import DrafterPlan, build_drafter, plan_batch
 from vatspec.drafters.base import AcceptHead
 from vatspec.features import CachedTarget
-from vatspec.losses import vat_objective
+from vatspec.losses import head_alive_logits, vat_objective
 from vatspec.metrics import MetricAccumulator, chain_metrics
 from vatspec.outputs import OutputError, check_apart, check_folder, claim_folder, mark_folder, owner
 from vatspec.target import TargetOutput
@@ -130,16 +130,18 @@ def shared_target_pass(target, batch, drafters, plans) -> list[TargetOutput]:
 def arm_step(model, drafter, batch, tout, plan, loss_cfg, generator) -> StepResult:
     """The drafter's chains -> verification -> objective, for one arm on one micro-batch."""
     out, head_logits = model(batch, tout, plan)
-    ce = draft_argmax = None
+    terms = draft_argmax = None
     if out.logits is None:  # loss.chunk_size > 0: the vocabulary-wide work chunk by chunk
-        ver, ce, draft_argmax = chunked_pass(out, loss_cfg, d2t=drafter.d2t, t2d=drafter.t2d, generator=generator)
+        ver, terms, draft_argmax = chunked_pass(out, loss_cfg, d2t=drafter.d2t, t2d=drafter.t2d, generator=generator)
     else:
         ver = simulate_verification(
             out.logits, out.target_logits, out.valid,
             mode=loss_cfg.verify, temperature=loss_cfg.temperature, d2t=drafter.d2t, generator=generator,
         )
-    loss, parts = vat_objective(out, ver, head_logits, loss_cfg, d2t=drafter.d2t, t2d=drafter.t2d, ce=ce)
-    metrics = chain_metrics(out, ver, head_logits, d2t=drafter.d2t, draft_argmax=draft_argmax)
+    loss, parts = vat_objective(out, ver, head_logits, loss_cfg, d2t=drafter.d2t, t2d=drafter.t2d, terms=terms,
+                                draft_argmax=draft_argmax)
+    alive = None if head_logits is None else head_alive_logits(head_logits, loss_cfg.head_label)
+    metrics = chain_metrics(out, ver, alive, d2t=drafter.d2t, draft_argmax=draft_argmax)
     return StepResult(loss, parts, metrics)
 
 
@@ -511,7 +513,7 @@ def _build_arm(cfg: Config, target, counts, total: int, world: int, device, init
         cfg = replace(cfg, drafter=replace(cfg.drafter, draft_vocab_size=vd))
     drafter.to(device)
     loss_cfg = cfg.loss  # resolved with the config (config.resolve_loss)
-    head = AcceptHead(drafter.hidden_size).to(device) if loss_cfg.head else None
+    head = AcceptHead(drafter.hidden_size, label=loss_cfg.head_label).to(device) if loss_cfg.head else None
     module = TrainModule(drafter, head)
     fsdp = world > 1 and cfg.train.parallel == "fsdp"
     if fsdp:

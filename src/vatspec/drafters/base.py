@@ -115,13 +115,32 @@ class Linear(nn.Linear):
         return skinny_linear(x, self.weight, self.bias)
 
 
-class AcceptHead(nn.Module):
-    """VAT's verification head: one dense layer on the draft's last hidden state -> logit of
-    P(prefix still alive at this position). Training-only by default; never part of a served draft."""
+HEAD_RULES = {  # the head's label -> what its sigmoid is, and how decoding reads it
+    "alive": "P(every earlier draft of the round accepted): the early exit thresholds it as is",
+    "alpha": "P(this draft accepted | the earlier ones were): the early exit thresholds its running product",
+}
 
-    def __init__(self, hidden_size: int):
+
+class AcceptHead(nn.Module):
+    """One dense layer on the draft's last hidden state -> a logit per drafted position. Training-only
+    by default; never part of a served draft.
+
+    ``label`` says what it was trained on (``HEAD_RULES``): "alive", VAT's verification head, predicts
+    that the prefix before this position survived; "alpha", DSpark's confidence head, predicts this
+    position's acceptance, so the prefix through position j survives with ``prod_{i<=j} sigmoid``."""
+
+    def __init__(self, hidden_size: int, label: str = "alive"):
         super().__init__()
+        if label not in HEAD_RULES:
+            raise ValueError(f"AcceptHead label must be one of {tuple(HEAD_RULES)}, got {label!r}")
+        self.label = label
         self.proj = Linear(hidden_size, 1)
 
     def forward(self, hidden: Tensor) -> Tensor:  # [..., H] -> [..., ]
         return self.proj(hidden).squeeze(-1)
+
+    def prefix_alive(self, probs: Tensor) -> Tensor:
+        """``[k']`` sigmoids of the drafted positions so far -> ``[k']`` what the early exit compares with
+        its threshold: the sigmoids themselves ("alive"), or their running product ("alpha").
+        alpha: 0.9 0.8 0.5 -> 0.9 0.72 0.36 (threshold 0.5 keeps 2 drafts)."""
+        return probs if self.label == "alive" else probs.cumprod(-1)

@@ -605,7 +605,8 @@ class DFlashSession:
     ) -> Proposal:
         """Draft slots 1..k (k <= drafter.k = B-1). Greedy at temperature 0 (q None), else sample each slot from
         ``q = warp_logits(logits)``. With an accept head, ``head_probs`` = sigmoid(head(hidden)); with
-        an exit threshold as well, keep only the leading slots whose prob >= threshold (k' may be 0)."""
+        an exit threshold as well, keep only the leading slots whose survival under the head's rule
+        (``AcceptHead.prefix_alive``) is >= threshold (k' may be 0)."""
         if not 0 <= k <= self.drafter.k:
             raise ValueError(f"k must be in [0, {self.drafter.k}] (drafter.k = block_size - 1), got {k}")
         logits, hidden = self.draft_block()
@@ -615,8 +616,8 @@ class DFlashSession:
             w = next(self.head.parameters(), None)
             h = hidden.to(w.dtype) if w is not None else hidden
             head_probs = torch.sigmoid(self.head(h).float())  # [k]
-            if self.exit_threshold is not None:
-                keep = int((head_probs >= self.exit_threshold).long().cumprod(0).sum())
+            if self.exit_threshold is not None:  # the head's own rule (HEAD_RULES)
+                keep = int((self.head.prefix_alive(head_probs) >= self.exit_threshold).long().cumprod(0).sum())
                 logits, head_probs = logits[:keep], head_probs[:keep]
         if temperature <= 0:
             return Proposal(tokens=logits.argmax(-1), q=None, head_probs=head_probs)

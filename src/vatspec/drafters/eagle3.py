@@ -593,8 +593,9 @@ class Eagle3Session:
         """Draft up to k tokens after the committed context (greedy when temperature == 0).
 
         With an accept head, ``head_probs`` holds sigmoid(head(post-norm hidden)) per kept token;
-        with ``exit_threshold``, drafting stops at the first position whose head prob is below it
-        (that token and later ones are not drafted; k' may be 0).
+        with ``exit_threshold``, drafting stops at the first position whose survival under the head's
+        rule (``AcceptHead.prefix_alive``: the prob itself, or the running product for a confidence
+        head) is below it (that token and later ones are not drafted; k' may be 0).
         """
         if self._h is None:
             raise RuntimeError("propose: extend() the session with the prompt first")
@@ -612,11 +613,11 @@ class Eagle3Session:
                 logits = d.lm_head(hn[0, 0])
             if self.head is not None:
                 hw = self.head.proj.weight
-                p = torch.sigmoid(self.head(hn[0, 0].to(device=hw.device, dtype=hw.dtype)).float())
-                if self.exit_threshold is not None and float(p) < self.exit_threshold:
+                head_probs[j] = torch.sigmoid(self.head(hn[0, 0].to(device=hw.device, dtype=hw.dtype)).float())
+                alive = self.head.prefix_alive(head_probs[: j + 1])[-1]  # the head's own rule (HEAD_RULES)
+                if self.exit_threshold is not None and float(alive) < self.exit_threshold:
                     kept = j
                     break
-                head_probs[j] = p
             if temperature == 0:
                 i = logits.argmax()
             else:

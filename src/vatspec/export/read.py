@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from torch import Tensor
 
 from vatspec.drafters import DEFAULT_TTT_STEPS
-from vatspec.drafters.base import AcceptHead
+from vatspec.drafters.base import HEAD_RULES, AcceptHead
 from vatspec.drafters.dflash import DFlashConfig, DFlashDrafter
 from vatspec.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from vatspec.drafters.layers import rope_parameters
@@ -242,7 +242,10 @@ def load_accept_head(path: str | Path, *, device: str | torch.device | None = No
     size = meta.get("hidden_size")
     if not (isinstance(size, int) and size > 0):
         raise ExportError(f"{src}: hidden_size {size!r} must be a positive integer")
-    head = AcceptHead(size)
+    label = meta.get("label", "alive")  # an export older than DSpark's head: VAT's
+    if label not in HEAD_RULES:
+        raise ExportError(f"{src}: label {label!r} must be one of {tuple(HEAD_RULES)}")
+    head = AcceptHead(size, label=label)
     file = folder / "head.safetensors"
     if not file.is_file():
         raise ExportError(f"{HEAD_DIR}/head.safetensors is missing")

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor
 
-from vatspec.drafters.base import AcceptHead
+from vatspec.drafters.base import HEAD_RULES, AcceptHead
 from vatspec.drafters.dflash import DFlashConfig
 from vatspec.drafters.eagle3 import Eagle3Config
 from vatspec.export.formats import (
@@ -212,8 +212,8 @@ def _write_head(folder: Path, head: AcceptHead, drafter, threshold: float | None
     save_file({k: v.detach().float().cpu().contiguous() for k, v in head.state_dict().items()},
               folder / "head.safetensors", metadata={"format": "pt"})
     meta = {"format": HEAD_FORMAT, "version": 1, "drafter_kind": drafter.kind, "input": HEAD_INPUT,
-            "hidden_size": int(head.proj.in_features), "threshold": threshold,
-            "output": "logit; sigmoid = P(the drafted prefix is still accepted at this position)"}
+            "hidden_size": int(head.proj.in_features), "threshold": threshold, "label": head.label,
+            "output": f"logit; sigmoid = {HEAD_RULES[head.label]}"}
     (folder / CONFIG).write_text(json.dumps(meta, indent=2) + "\n")
 
 

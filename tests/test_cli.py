@@ -92,3 +92,10 @@ def test_demo_sizes_full_and_seeds(capsys):
     with pytest.raises(SystemExit):
         parser.parse_args(["--quick", "--full"])
     assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_ablate_refuses_seeds_in_one_line(tmp_path, capsys):
+    assert main(["ablate", "--quick", "--seeds", "2", "--out", str(tmp_path / "ab")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("vatspec ablate: error: --seeds 2") and "vatspec demo --seeds N" in err
+    assert not (tmp_path / "ab").exists()  # refused before anything was written

@@ -10,6 +10,7 @@ draft objectives (loss kinds) side by side on identical batches, trained and dec
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 from vatspec.commands import demo, report
@@ -38,17 +39,21 @@ def arms_arg(value: str) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if (args.seeds or 1) > 1:
+        return report("ablate", DemoError(f"--seeds {args.seeds}: the ablation trains one seed (its arms share it); "
+                                          "several seeds are `vatspec demo --seeds N`"))
+    size = dataclasses.replace(demo.size_of(args), seeds=1)  # --full: the long recipe's size, one seed
     try:
         if args.arms:
             from vatspec.objectives import objectives_table, run_objectives, verdicts
 
             demo.show_steps("ablate")
-            summary = run_objectives(Path(args.out), demo.size_of(args), args.drafter, args.arms,
+            summary = run_objectives(Path(args.out), size, args.drafter, args.arms,
                                      threads=args.threads, progress=not args.no_progress)
             print(objectives_table(summary))
             print("\n".join(verdicts(summary)))
             return 0
-        results = run_ablation(Path(args.out), demo.size_of(args), args.drafter, threads=args.threads,
+        results = run_ablation(Path(args.out), size, args.drafter, threads=args.threads,
                                progress=not args.no_progress)
     except DemoError as e:
         return report("ablate", e)

@@ -101,6 +101,7 @@ def test_seeds_report_the_vat_difference_across_seeds(tmp_path):
     names = [f"{arm} (seed {s})" for s in (0, 1) for arm in ARMS]
     assert set(data["train_final"]) == set(names)
     assert (out / "runs" / "seed1" / "eagle3_vat" / "metrics.jsonl").is_file()
+    assert (out / "config-eagle3_vat_seed1.yaml").is_file()
     results = json.loads((out / "eval" / "results.json").read_text())
     ks = results["config"]["k"]
     for s in (0, 1):  # each seed's pair decodes with the k chosen on its own baseline

@@ -81,7 +81,8 @@ class DemoError(RuntimeError):
 
 
 def _slug(name: str) -> str:
-    return name.lower().replace(" + ", "_").replace("-", "")
+    """A report name as a file-name part: "EAGLE-3 + VAT (seed 1)" -> "eagle3_vat_seed1"."""
+    return name.lower().replace(" + ", "_").replace("-", "").replace(" (seed ", "_seed").replace(")", "")
 
 
 # ----------------------------------------------------------------------------- steps

@@ -158,26 +158,32 @@ def read_curves(run_dir: Path) -> list[dict]:
 
 
 def plot_curves(curves: dict[str, list[dict]], out: Path) -> Path:
-    """Held-out tau_sim and mean first rejection over training, baseline vs VAT, per drafter."""
+    """Held-out tau_sim and mean first rejection over training, baseline vs VAT, per drafter: one
+    colour per arm (VAT solid, baselines dashed), one marker per seed, the legend under the plots."""
+    import re
+
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    colors = {arm: f"C{i}" for i, arm in enumerate(ARMS)}
     for name, recs in curves.items():
+        arm, seed = re.fullmatch(r"(.*?)(?: \(seed (\d+)\))?", name).groups()
         ev = [r for r in recs if "eval/tau_sim" in r]
-        style = "-" if "VAT" in name else "--"
+        style = dict(ls="-" if "VAT" in arm else "--", marker="osD^v"[int(seed or 0) % 5], color=colors.get(arm))
         for ax, key in zip(axes, ("tau_sim", "mean_first_reject")):
-            ax.plot([r["step"] for r in ev], [r[f"eval/{key}"] for r in ev], style, marker="o", label=name)
+            ax.plot([r["step"] for r in ev], [r[f"eval/{key}"] for r in ev], label=name, **style)
     axes[0].set_title("held-out τ_sim (simulated acceptance length)")
     axes[1].set_title("held-out mean first rejection (accepted drafts)")
     for ax in axes:
         ax.set_xlabel("optimizer step")
         ax.grid(alpha=0.3)
-        ax.legend()
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="upper center", bbox_to_anchor=(0.5, 0.0),
+               ncol=4, fontsize="small", frameon=False)
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
+    fig.savefig(out, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return out
 

@@ -251,7 +251,7 @@ def run_demo(out: Path, size: DemoSize, *, threads: int | None = None, progress:
     methods = {n: open_draft(c.train.out_dir, target) for n, c in cfgs.items()}
     calibration = {}
     for names in arms.values():
-        calibration.update(choose_k(target, methods, cfgs[names[next(iter(ARMS))]], size,
+        calibration.update(choose_k(target, methods, cfgs[next(iter(names.values()))], size,
                                     {names[v]: names[b] for v, b in BASELINE_OF.items()}))
     prompts = {b: load_benchmark(b)[: size.eval_prompts] for b in size.benches}
     results = bench.evaluate(target, methods, prompts, temperature=0.0, max_new_tokens=size.eval_tokens,

@@ -42,9 +42,9 @@ def run(args: argparse.Namespace) -> int:
 def size_of(args: argparse.Namespace) -> DemoSize:
     """``--quick`` / ``--full`` pick the size; ``--steps``, ``--prompts``, ``--eval-prompts``, ``--seeds``
     override it."""
-    size = SIZES["quick" if args.quick else "full" if getattr(args, "full", False) else "default"]
+    size = SIZES["quick" if args.quick else "full" if args.full else "default"]
     changes = {k: v for k, v in (("steps", args.steps), ("prompts", args.prompts),
-                                 ("eval_prompts", args.eval_prompts), ("seeds", getattr(args, "seeds", None)))
+                                 ("eval_prompts", args.eval_prompts), ("seeds", args.seeds))
                if v is not None}
     return dataclasses.replace(size, **changes)
 

@@ -7,6 +7,7 @@ from tests.conftest import tiny_llama
 from vatspec.target import (
     DEFAULT_WHEEL,
     SKINNY_ROWS,
+    SkinnyLinear,
     Target,
     TargetError,
     default_gguf_path,
@@ -173,6 +174,25 @@ def test_skinny_linear_equals_f_linear_with_grad(shape, bias):
     (gx,) = torch.autograd.grad(got.square().sum(), x)
     (rx,) = torch.autograd.grad(ref.square().sum(), x)
     assert torch.allclose(gx, rx, atol=1e-4)
+
+
+def test_target_linears_take_the_few_row_kernel_and_compute_the_same(tiny_target):
+    """Every linear of a loaded target is a SkinnyLinear (the state_dict keys unchanged), and a cached
+    decode step over 1..k+1 rows computes what the plain F.linear model computes."""
+    model = tiny_target.model
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(type(m) is SkinnyLinear for m in linears)
+    keys = set(model.state_dict())
+    ids = torch.randint(0, 96, (1, 9))
+    got = [tiny_target(ids[:, :6], use_cache=True)]
+    got += [tiny_target(ids[:, 6:q], past_key_values=got[0].past_key_values, use_cache=True) for q in (7, 9)]
+    for m in linears:
+        m.__class__ = torch.nn.Linear
+    assert set(model.state_dict()) == keys
+    ref = [tiny_target(ids[:, :6], use_cache=True)]
+    ref += [tiny_target(ids[:, 6:q], past_key_values=ref[0].past_key_values, use_cache=True) for q in (7, 9)]
+    for g, r in zip(got, ref, strict=True):
+        torch.testing.assert_close(g.logits, r.logits, atol=1e-5, rtol=1e-5)
 
 
 def test_heads_only_target_reads_just_the_embedding_and_lm_head(tmp_path):

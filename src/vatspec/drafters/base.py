@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor, nn
 
-from vatspec.target import skinny_linear
+from vatspec.target import SkinnyLinear as Linear
 
 
 @dataclass
@@ -105,14 +105,6 @@ class SavedConfig:
         if unknown:
             raise ValueError(f"{cls.__name__}: unknown keys {unknown} (known: {sorted(known)})")
         return cls(**dict(d))
-
-
-class Linear(nn.Linear):
-    """``nn.Linear`` (same parameters and state_dict keys) whose few-row CPU products, a decode
-    step's, take the faster kernel of ``vatspec.target.skinny_linear``; training batches are unchanged."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        return skinny_linear(x, self.weight, self.bias)
 
 
 HEAD_RULES = {  # the head's label -> what its sigmoid is, and how decoding reads it

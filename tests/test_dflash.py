@@ -300,7 +300,10 @@ def test_propose_greedy_sampled_and_early_exit(target):
     feats = features_for(target, d, b).features[0]
     s = d.new_session()
     s.extend(feats, torch.cat([b.input_ids[0, 1:], torch.tensor([9])]))
-    logits, _ = s.draft_block()
+    logits, hidden = s.draft_block()
+    few = s.draft_block(2)  # the whole block runs; only its first 2 slots reach the lm_head
+    assert few[0].shape == (2, logits.shape[1]) and torch.equal(few[1], hidden[:2])
+    torch.testing.assert_close(few[0], logits[:2], rtol=1e-6, atol=1e-6)
     p = s.propose(3)
     assert torch.equal(p.tokens, logits.argmax(-1)) and p.q is None and p.head_probs is None
     assert len(s.propose(2)) == 2 and len(s.propose(0)) == 0

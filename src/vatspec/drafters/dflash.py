@@ -579,8 +579,10 @@ class DFlashSession:
         self.pending = tokens[-1:].to(device=features.device, dtype=torch.long)
 
     @torch.no_grad()
-    def draft_block(self) -> tuple[Tensor, Tensor]:
-        """Run the block once -> (logits ``[B-1, V]`` float32, hidden ``[B-1, H]``) for slots 1..B-1."""
+    def draft_block(self, k: int | None = None) -> tuple[Tensor, Tensor]:
+        """Run the block once -> (logits ``[k, V]`` float32, hidden ``[k, H]``) for slots 1..k
+        (default all B-1). The whole block runs either way (its slots attend to each other); only
+        the lm_head, the costly part of a draft on a 49k vocabulary, is limited to the k slots used."""
         if self.pending is None:
             raise RuntimeError("propose before extend: the session has no pending token")
         d = self.drafter
@@ -590,7 +592,7 @@ class DFlashSession:
         ids[0, 0] = self.pending[0]
         pos = torch.arange(n, n + Bs, device=dev)[None]
         ctx = [(k[:, :, :n], v[:, :, :n]) for k, v in zip(self._k, self._v)]
-        hidden = d.run_block(ids, pos, ctx, mask=None)[0, 1:]  # everything committed is < n: no mask
+        hidden = d.run_block(ids, pos, ctx, mask=None)[0, 1 : (Bs if k is None else 1 + k)]  # no mask: all < n
         return d.compute_logits(hidden), hidden
 
     @torch.no_grad()
@@ -609,8 +611,7 @@ class DFlashSession:
         (``AcceptHead.prefix_alive``) is >= threshold (k' may be 0)."""
         if not 0 <= k <= self.drafter.k:
             raise ValueError(f"k must be in [0, {self.drafter.k}] (drafter.k = block_size - 1), got {k}")
-        logits, hidden = self.draft_block()
-        logits, hidden = logits[:k], hidden[:k]  # [k, V], [k, H]
+        logits, hidden = self.draft_block(k)  # [k, V], [k, H]
         head_probs = None
         if self.head is not None:
             w = next(self.head.parameters(), None)

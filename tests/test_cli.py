@@ -79,6 +79,15 @@ def test_demo_refuses_a_foreign_folder_in_one_line(tmp_path, capsys):
     assert (tmp_path / "keep.txt").read_text() == "mine"
 
 
+def test_demo_redecode_refuses_a_size_and_needs_a_finished_demo(tmp_path, capsys):
+    assert main(["demo", "--redecode", "--full", "--steps", "5", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("vatspec demo: error: ") and "drop --full --steps" in err
+    assert main(["demo", "--redecode", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "demo.json: not the record of a finished demo" in err and "Traceback" not in err
+
+
 def test_demo_sizes_full_and_seeds(capsys):
     from vatspec.demo import SIZES
 

@@ -11,7 +11,7 @@ import math
 
 import pytest
 
-from vatspec.demo import ARMS, SIZES, DemoError, run_ablation, run_demo
+from vatspec.demo import ARMS, SIZES, DemoError, redecode_demo, run_ablation, run_demo
 
 pytestmark = pytest.mark.slow
 
@@ -117,3 +117,20 @@ def test_seeds_report_the_vat_difference_across_seeds(tmp_path):
     report = (out / "report.md").read_text()
     assert "## VAT vs baseline across training seeds" in report
     assert "mean over seeds" in report and report.count("| EAGLE-3 + VAT (seed ") >= 1
+
+    # --redecode: steps 4-5 again on the same drafts; training figures and checkpoints untouched
+    ckpts = {p: p.read_bytes() for p in (out / "runs").rglob("*.safetensors")}
+    again = redecode_demo(out, progress=False)
+    assert ckpts and all(p.read_bytes() == b for p, b in ckpts.items())
+    for key in ("train_final", "train_paired", "regeneration", "features"):
+        assert again[key] == json.loads(json.dumps(data[key], default=float)), key
+    assert again["timings_s"]["train"] == data["timings_s"]["train"]
+    assert again["across_seeds"]["EAGLE-3 + VAT"]["tau_sim"] == data["across_seeds"]["EAGLE-3 + VAT"]["tau_sim"]
+    assert set(again["decode"]) == set(data["decode"])
+    report = (out / "report.md").read_text()
+    assert "vatspec demo --redecode" in report and "## VAT vs baseline across training seeds" in report
+
+
+def test_redecode_needs_a_finished_demo(tmp_path):
+    with pytest.raises(DemoError, match="demo.json: not the record of a finished demo"):
+        redecode_demo(tmp_path, progress=False)

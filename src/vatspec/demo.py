@@ -200,9 +200,6 @@ def seed_arms(size: DemoSize) -> dict[int, dict[str, str]]:
 
 
 def run_demo(out: Path, size: DemoSize, *, threads: int | None = None, progress: bool = True) -> dict:
-    from vatspec import bench
-    from vatspec.benchmarks import load_benchmark
-    from vatspec.drafts import open_draft
     from vatspec.target import open_target, vatspec_home
     from vatspec.train import CHAINS_KEY, train_arms
 
@@ -242,6 +239,60 @@ def run_demo(out: Path, size: DemoSize, *, threads: int | None = None, progress:
         cfgs.update(zip(names.values(), seed_cfgs))
         finals.update(zip(names.values(), train_arms(seed_cfgs, progress=progress)))
     timings["train"] = time.perf_counter() - t
+    pairs = {names[vat]: names[base] for names in arms.values() for vat, base in BASELINE_OF.items()}
+    chains = {n: f.pop(CHAINS_KEY, None) for n, f in finals.items()}  # kept in each run's heldout_chains.json
+    trained = {"regeneration": regen, "features": feature_info, "train_final": finals,
+               "train_paired": paired_tau_sim(chains, pairs)}
+    return decode_and_report(out, size, target, cfgs, trained, timings, t_start, progress)
+
+
+def redecode_demo(out: Path, *, threads: int | None = None, progress: bool = True) -> dict:
+    """Steps 4-5 again on the drafts a finished demo left in ``out``: each drafter kind's k chosen
+    anew and every draft decoded with the current decoding code, the report rewritten; nothing is
+    retrained. The size, training figures and data-step timings are the ones its ``demo.json``
+    recorded."""
+    from vatspec.config import ConfigError, load_config
+    from vatspec.target import open_target
+
+    record = out / "demo.json"
+    try:
+        old = json.loads(record.read_text())
+        size = DemoSize(**{**old["size"], "benches": tuple(old["size"]["benches"])})
+        trained = {k: old[k] for k in ("regeneration", "features", "train_final", "train_paired")}
+        spent = {k: old["timings_s"][k] for k in ("target", "data", "features", "train", "total", "eval")}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise DemoError(f"{record}: not the record of a finished demo ({type(e).__name__}: {e}); "
+                        "run `vatspec demo` there first") from None
+    if threads:
+        torch.set_num_threads(threads)
+    log.info(f"re-decoding the drafts of {out} ({size.steps} steps, {size.seeds} seed(s)); nothing is retrained")
+    target = open_target("default", device="cpu", dtype="float32")
+    cfgs = {}
+    for seed, names in seed_arms(size).items():
+        runs = out / "runs" if size.seeds == 1 else out / "runs" / f"seed{seed}"
+        for arm, name in names.items():
+            run_dir = runs / _slug(arm)
+            try:
+                cfg = load_config(run_dir / "config.yaml")
+            except ConfigError as e:
+                raise DemoError(f"{run_dir}: not a trained run of this demo ({e})") from None
+            cfgs[name] = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, out_dir=str(run_dir)))
+    # the wall time keeps the original steps 1-3 and adds this decoding
+    t_start = time.perf_counter() - (spent.pop("total") - spent.pop("eval"))
+    trained["redecoded"] = time.strftime("%Y-%m-%d %H:%M")
+    return decode_and_report(out, size, target, cfgs, trained, spent, t_start, progress)
+
+
+def decode_and_report(out: Path, size: DemoSize, target, cfgs: dict, trained: dict, timings: dict,
+                      t_start: float, progress: bool = True) -> dict:
+    """Steps 4-5: decode every trained arm (``cfgs``: report name -> its run config) on the
+    benchmarks at its calibrated k and write the report folder. ``trained``: the data and training
+    figures of steps 2-3."""
+    from vatspec import bench
+    from vatspec.benchmarks import load_benchmark
+    from vatspec.drafts import open_draft
+
+    arms = seed_arms(size)
     curves = {n: read_curves(Path(c.train.out_dir)) for n, c in cfgs.items()}
     pairs = {names[vat]: names[base] for names in arms.values() for vat, base in BASELINE_OF.items()}
 
@@ -265,11 +316,8 @@ def run_demo(out: Path, size: DemoSize, *, threads: int | None = None, progress:
     eval_paths = bench.write_report(results, out / "eval", relative_to=pairs)
     plot_curves(curves, out / "training_curves.png")
     timings["total"] = time.perf_counter() - t_start
-    chains = {n: f.pop(CHAINS_KEY, None) for n, f in finals.items()}  # kept in each run's heldout_chains.json
     summary = {
-        "size": dataclasses.asdict(size), "timings_s": timings, "regeneration": regen, "features": feature_info,
-        "train_final": finals,
-        "train_paired": paired_tau_sim(chains, pairs),
+        "size": dataclasses.asdict(size), "timings_s": timings, **trained,
         "decode": results["summary"], "benchmarks": results["benchmarks"],
         "threads": torch.get_num_threads(),
     }
@@ -388,6 +436,9 @@ def _report_md(summary: dict, results: dict, eval_paths: dict, size: DemoSize, p
         f"({summary['features']['dtype']}, layers {summary['features']['layer_ids']}, "
         f"{summary['features']['bytes'] / 2**20:.0f} MiB): the target ran once over the training set instead of "
         "once per batch; float32 storage gives the losses of online training.",
+        *(["", f"Steps 4-5 (calibration, decoding, this report) were run again on {summary['redecoded']} by "
+               "`vatspec demo --redecode` on the drafts this run trained; the training figures and the times of "
+               "steps 1-3 are the original run's."] if summary.get("redecoded") else []),
         "",
         "## Speculative decoding (temperature 0)",
         "",

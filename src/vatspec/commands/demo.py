@@ -2,6 +2,7 @@
 (``vatspec.demo.run_demo``), written as a report folder.
 
     vatspec demo [--quick | --full] [--seeds N] [--out reports/demo]
+    vatspec demo --redecode [--out reports/demo]     # steps 4-5 again on its trained drafts
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import sys
 from pathlib import Path
 
 from vatspec.commands import int_arg, report
-from vatspec.demo import SIZES, DemoError, DemoSize, run_demo
+from vatspec.demo import SIZES, DemoError, DemoSize, redecode_demo, run_demo
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -28,12 +29,22 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seeds", type=int_arg(1), help="override the number of training seeds per arm")
     parser.add_argument("--threads", type=int_arg(1), default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--redecode", action="store_true",
+                        help="decode the drafts of the finished demo in --out again (k re-chosen, current decoding "
+                             "code) and rewrite its report; nothing is retrained, its size is the recorded one")
 
 
 def run(args: argparse.Namespace) -> int:
     show_steps("demo")
     try:
-        run_demo(Path(args.out), size_of(args), threads=args.threads, progress=not args.no_progress)
+        if args.redecode:
+            sized = [f"--{f.replace('_', '-')}" for f in ("quick", "full", "steps", "prompts", "eval_prompts", "seeds")
+                     if getattr(args, f) not in (None, False)]
+            if sized:
+                raise DemoError(f"--redecode decodes the demo in --out at its recorded size: drop {' '.join(sized)}")
+            redecode_demo(Path(args.out), threads=args.threads, progress=not args.no_progress)
+        else:
+            run_demo(Path(args.out), size_of(args), threads=args.threads, progress=not args.no_progress)
     except DemoError as e:
         return report("demo", e)
     return 0

@@ -199,6 +199,11 @@ def seed_arms(size: DemoSize) -> dict[int, dict[str, str]]:
     return {s: {arm: arm if size.seeds == 1 else f"{arm} (seed {s})" for arm in ARMS} for s in seeds}
 
 
+def vat_pairs(arms: dict[int, dict[str, str]]) -> dict[str, str]:
+    """Each VAT arm's report name -> its baseline's, seed by seed (``arms``: ``seed_arms``)."""
+    return {names[vat]: names[base] for names in arms.values() for vat, base in BASELINE_OF.items()}
+
+
 def run_demo(out: Path, size: DemoSize, *, threads: int | None = None, progress: bool = True) -> dict:
     from vatspec.target import open_target, vatspec_home
     from vatspec.train import CHAINS_KEY, train_arms
@@ -239,7 +244,7 @@ def run_demo(out: Path, size: DemoSize, *, threads: int | None = None, progress:
         cfgs.update(zip(names.values(), seed_cfgs))
         finals.update(zip(names.values(), train_arms(seed_cfgs, progress=progress)))
     timings["train"] = time.perf_counter() - t
-    pairs = {names[vat]: names[base] for names in arms.values() for vat, base in BASELINE_OF.items()}
+    pairs = vat_pairs(arms)
     chains = {n: f.pop(CHAINS_KEY, None) for n, f in finals.items()}  # kept in each run's heldout_chains.json
     trained = {"regeneration": regen, "features": feature_info, "train_final": finals,
                "train_paired": paired_tau_sim(chains, pairs)}
@@ -259,7 +264,9 @@ def redecode_demo(out: Path, *, threads: int | None = None, progress: bool = Tru
         old = json.loads(record.read_text())
         size = DemoSize(**{**old["size"], "benches": tuple(old["size"]["benches"])})
         trained = {k: old[k] for k in ("regeneration", "features", "train_final", "train_paired")}
-        spent = {k: old["timings_s"][k] for k in ("target", "data", "features", "train", "total", "eval")}
+        spent = old["timings_s"]
+        timings = {k: spent[k] for k in ("target", "data", "features", "train")}
+        before_decoding = spent["total"] - spent["eval"]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise DemoError(f"{record}: not the record of a finished demo ({type(e).__name__}: {e}); "
                         "run `vatspec demo` there first") from None
@@ -276,11 +283,12 @@ def redecode_demo(out: Path, *, threads: int | None = None, progress: bool = Tru
                 cfg = load_config(run_dir / "config.yaml")
             except ConfigError as e:
                 raise DemoError(f"{run_dir}: not a trained run of this demo ({e})") from None
+            if not (run_dir / "latest").is_file():
+                raise DemoError(f"{run_dir}: holds no checkpoint (no {run_dir / 'latest'}); train the demo again")
             cfgs[name] = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, out_dir=str(run_dir)))
-    # the wall time keeps the original steps 1-3 and adds this decoding
-    t_start = time.perf_counter() - (spent.pop("total") - spent.pop("eval"))
     trained["redecoded"] = time.strftime("%Y-%m-%d %H:%M")
-    return decode_and_report(out, size, target, cfgs, trained, spent, t_start, progress)
+    t_start = time.perf_counter() - before_decoding  # the wall time: the original steps 1-3, then this decoding
+    return decode_and_report(out, size, target, cfgs, trained, timings, t_start, progress)
 
 
 def decode_and_report(out: Path, size: DemoSize, target, cfgs: dict, trained: dict, timings: dict,
@@ -294,7 +302,7 @@ def decode_and_report(out: Path, size: DemoSize, target, cfgs: dict, trained: di
 
     arms = seed_arms(size)
     curves = {n: read_curves(Path(c.train.out_dir)) for n, c in cfgs.items()}
-    pairs = {names[vat]: names[base] for names in arms.values() for vat, base in BASELINE_OF.items()}
+    pairs = vat_pairs(arms)
 
     log.info(f"4/5 evaluating on {', '.join(size.benches)} ({size.eval_prompts} prompts each, T=0, "
          f"{size.eval_tokens} new tokens), interleaved with the autoregressive baseline")

@@ -592,7 +592,8 @@ class DFlashSession:
         ids[0, 0] = self.pending[0]
         pos = torch.arange(n, n + Bs, device=dev)[None]
         ctx = [(k[:, :, :n], v[:, :, :n]) for k, v in zip(self._k, self._v)]
-        hidden = d.run_block(ids, pos, ctx, mask=None)[0, 1 : (Bs if k is None else 1 + k)]  # no mask: all < n
+        k = d.k if k is None else k
+        hidden = d.run_block(ids, pos, ctx, mask=None)[0, 1 : 1 + k]  # everything committed is < n: no mask
         return d.compute_logits(hidden), hidden
 
     @torch.no_grad()

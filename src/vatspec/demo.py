@@ -199,6 +199,11 @@ def seed_arms(size: DemoSize) -> dict[int, dict[str, str]]:
     return {s: {arm: arm if size.seeds == 1 else f"{arm} (seed {s})" for arm in ARMS} for s in seeds}
 
 
+def runs_dir(out: Path, size: DemoSize, seed: int) -> Path:
+    """Where one seed's run folders are: ``runs/`` for one seed, ``runs/seed<S>/`` for several."""
+    return out / "runs" if size.seeds == 1 else out / "runs" / f"seed{seed}"
+
+
 def vat_pairs(arms: dict[int, dict[str, str]]) -> dict[str, str]:
     """Each VAT arm's report name -> its baseline's, seed by seed (``arms``: ``seed_arms``)."""
     return {names[vat]: names[base] for names in arms.values() for vat, base in BASELINE_OF.items()}
@@ -237,8 +242,8 @@ def run_demo(out: Path, size: DemoSize, *, threads: int | None = None, progress:
     t = time.perf_counter()
     cfgs, finals = {}, {}
     for seed, names in arms.items():
-        runs = out / "runs" if size.seeds == 1 else out / "runs" / f"seed{seed}"
-        seed_cfgs = arm_configs(list(ARMS), dataclasses.replace(size, seed=seed), data_path, runs, features=features)
+        seed_cfgs = arm_configs(list(ARMS), dataclasses.replace(size, seed=seed), data_path, runs_dir(out, size, seed),
+                                features=features)
         if size.seeds > 1:
             log.info(f"    seed {seed}")
         cfgs.update(zip(names.values(), seed_cfgs))
@@ -276,9 +281,8 @@ def redecode_demo(out: Path, *, threads: int | None = None, progress: bool = Tru
     target = open_target("default", device="cpu", dtype="float32")
     cfgs = {}
     for seed, names in seed_arms(size).items():
-        runs = out / "runs" if size.seeds == 1 else out / "runs" / f"seed{seed}"
         for arm, name in names.items():
-            run_dir = runs / _slug(arm)
+            run_dir = runs_dir(out, size, seed) / _slug(arm)
             try:
                 cfg = load_config(run_dir / "config.yaml")
             except ConfigError as e:

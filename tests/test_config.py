@@ -53,12 +53,6 @@ def test_bad_overrides_fail_loudly(override, message):
         load_config(None, [override])
 
 
-def test_feature_regression_is_refused_for_dflash():
-    assert load_config(None, ["drafter=eagle3", "loss.feature=1"]).loss.feature == 1
-    with pytest.raises(ConfigError, match=r"loss.feature=1.0 with drafter.kind=dflash: .*EAGLE-3 drafters only"):
-        load_config(None, ["drafter=dflash", "loss.feature=1"])
-
-
 def test_bad_file(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "missing.yaml")

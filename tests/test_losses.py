@@ -184,8 +184,6 @@ def test_ablations_switch_one_part():
         ("decay", 1.5),
         ("gamma", 0.0),
         ("curve", "linear"),
-        ("feature", -1.0),
-        ("feature", float("nan")),
     ],
 )
 def test_config_errors_name_the_field(field, value):
@@ -228,39 +226,6 @@ def test_fixed_soft_no_head_equals_eagle3_reference():
     eagle3, _ = vat_objective(out, v, None, LossConfig(kind="eagle3").resolve("eagle3"), d2t=d2t, t2d=t2d)
     torch.testing.assert_close(eagle3, loss)
     assert set(parts) == {"loss", "soft", "weight_mean"}
-
-
-def test_feature_term_is_weighted_smooth_l1_to_the_target_hidden():
-    """loss.feature adds, per position j, feature * 0.8**j * mean over valid chains of the smooth L1
-    (beta 1) between the draft's and the target's hidden states, averaged over H."""
-    out, d2t, t2d = random_batch(seed=5, k=3)
-    g = torch.Generator().manual_seed(1)
-    N, k, H = out.valid.shape[0], 3, 4
-    hidden = torch.randn(N, k, H, generator=g).requires_grad_(True)
-    target_hidden = 2 * torch.randn(N, k, H, generator=g)
-    out = DraftOutput(logits=out.logits, hidden=hidden, target_logits=out.target_logits, valid=out.valid,
-                      target_hidden=target_hidden)
-    v = simulate_verification(out.logits, out.target_logits, out.valid, d2t=d2t)
-    cfg = LossConfig(kind="eagle3", feature=0.5).resolve("eagle3")
-    loss, parts = vat_objective(out, v, None, cfg, d2t=d2t, t2d=t2d)
-    want = torch.zeros(())
-    for j in range(k):
-        rows = out.valid[:, j]
-        d = (hidden[rows, j] - target_hidden[rows, j]).abs()
-        per_chain = torch.where(d < 1, 0.5 * d**2, d - 0.5).mean(-1)
-        want = want + 0.8**j * per_chain.sum() / max(int(rows.sum()), 1)
-    torch.testing.assert_close(parts["feature"], 0.5 * want.detach(), atol=EXACT, rtol=0)
-    plain, _ = vat_objective(out, v, None, LossConfig(kind="eagle3").resolve("eagle3"), d2t=d2t, t2d=t2d)
-    torch.testing.assert_close(loss, plain + 0.5 * want, atol=EXACT, rtol=0)
-    loss.backward()  # gradient only where the chain position is valid
-    assert hidden.grad[~out.valid].abs().max() == 0 and hidden.grad[out.valid].abs().sum() > 0
-
-
-def test_feature_term_needs_the_target_hidden():
-    out, d2t, t2d = random_batch(seed=6, k=2)
-    v = simulate_verification(out.logits, out.target_logits, out.valid, d2t=d2t)
-    with pytest.raises(ValueError, match="target_hidden"):
-        vat_objective(out, v, None, LossConfig(kind="vat", feature=1.0).resolve("eagle3"), d2t=d2t, t2d=t2d)
 
 
 def test_dflash_baseline_is_hard_ce_with_exponential_weights():

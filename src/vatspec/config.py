@@ -168,9 +168,6 @@ def resolve_loss(cfg: Config) -> Config:
         raise ConfigError(f"drafter.kind={d.kind} with {what}: the dflash curve exp(-j/gamma) takes its gamma from "
                           f"a DFlash block, and an {d.kind} drafter has none; set loss.gamma, or use "
                           "loss.kind=eagle3 or vat, or drafter.kind=dflash")
-    if loss.feature and d.kind != "eagle3":
-        raise ConfigError(f"loss.feature={loss.feature} with drafter.kind={d.kind}: the feature regression is "
-                          "implemented for EAGLE-3 drafters only; set loss.feature=0")
     try:
         return dataclasses.replace(cfg, loss=loss.resolve(schedule, block_size=block))
     except ValueError as e:

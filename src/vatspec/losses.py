@@ -127,10 +127,6 @@ class LossConfig:
                  (``dflash_gamma``: 7 for block 16, 5 for 10, 4 for 8).
     curve:       "eagle3" | "dflash" shape of the fixed curve and of VAT's restarted curve; None =
                  the kind's own, and for "vat", "tv", "lk", "dpace", "specauf", "dspark" the drafter's.
-    feature:     weight of a feature-regression term (EAGLE-1's): smooth L1 between the draft's normed
-                 hidden state and the target's final normed hidden state for the same token,
-                 position-weighted like the CE; 0 = off (default). Needs a drafter that provides
-                 ``DraftOutput.target_hidden`` (EAGLE-3).
     chunk_size:  0 = the logits [N, Vd] and target logits [N, V] of all N = chains x k positions at
                  once; C > 0 = the lm_head, CE and verification statistics C positions at a time
                  (``vatspec.chunked``): same values and gradients, peak memory of C rows instead of
@@ -153,7 +149,6 @@ class LossConfig:
     decay: float = 0.8
     gamma: float | None = None
     curve: str | None = None
-    feature: float = 0.0
     chunk_size: int = DEFAULT_CHUNK_SIZE
 
     def __post_init__(self) -> None:
@@ -173,8 +168,6 @@ class LossConfig:
             raise bad("head_label", f"one of {HEAD_LABELS} or None")
         if not (isinstance(self.beta, (int, float)) and math.isfinite(self.beta) and self.beta >= 0):
             raise bad("beta", "a finite number >= 0")
-        if not (isinstance(self.feature, (int, float)) and math.isfinite(self.feature) and self.feature >= 0):
-            raise bad("feature", "a finite number >= 0")
         if self.verify not in MODES:
             raise bad("verify", f"one of {MODES}")
         if not (isinstance(self.temperature, (int, float)) and self.temperature > 0):
@@ -592,8 +585,7 @@ def vat_objective(
 
     Returns (loss: scalar with grad, parts: detached scalars). parts has "loss", one entry per
     active term ("soft", "hard", "kl", "tv", "lk": the weighted reduced term as added; "head": the
-    mean BCE before beta; "feature": the weighted regression term as added) and "weight_mean" (mean
-    weight over supervised positions).
+    mean BCE before beta) and "weight_mean" (mean weight over supervised positions).
     """
     assert cfg.resolved, (
         f"vat_objective needs a resolved LossConfig, got {cfg}: resolve it once for the drafter, "
@@ -624,16 +616,7 @@ def vat_objective(
         parts[name] = _reduce(w * per_pos, sup)
         loss = loss + parts[name]
 
-    # 5. feature regression over every valid position (the target's hidden exists out of vocabulary too)
-    if cfg.feature:
-        if out.target_hidden is None:
-            raise ValueError("loss.feature > 0 needs the target's hidden state per position "
-                             "(DraftOutput.target_hidden), which this drafter does not provide")
-        per_pos = F.smooth_l1_loss(out.hidden.float(), out.target_hidden.float(), reduction="none").mean(-1)
-        parts["feature"] = cfg.feature * _reduce(w * per_pos, valid)
-        loss = loss + parts["feature"]
-
-    # 6. head over every valid position (out-of-vocab ones included): VAT's on the alive bit, DSpark's
+    # 5. head over every valid position (out-of-vocab ones included): VAT's on the alive bit, DSpark's
     # toward alpha (0 where the target's token is outside the draft vocabulary: never accepted)
     if cfg.head:
         if head_logits is None:

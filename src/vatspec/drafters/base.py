@@ -36,9 +36,6 @@ class DraftOutput:
     target_index:  [..., k] long, see ``target_logits``; None when that is per position already.
     target_head:   ``Target.logits`` (hidden [n, H_t] -> logits [n, V] float32) when the target was run
                    without logits; see ``target_logits``. ``vocab_size`` is then the head's V.
-    target_hidden: [..., k, H] the target's final normed hidden state at the position whose logits
-                   predict the same token (what ``hidden`` is regressed to by ``loss.feature``); None
-                   when the drafter does not provide it.
     """
 
     logits: Tensor | None
@@ -50,7 +47,6 @@ class DraftOutput:
     target_index: Tensor | None = None
     target_head: Callable[[Tensor], Tensor] | None = None
     target_vocab_size: int | None = None
-    target_hidden: Tensor | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -78,9 +74,6 @@ class DraftOutput:
             )
         assert k >= 1 and self.valid.dtype == torch.bool
         assert self.target_head is None or self.target_vocab_size, "target_head needs target_vocab_size"
-        assert self.target_hidden is None or self.target_hidden.shape == self.hidden.shape, (
-            f"target_hidden {tuple(self.target_hidden.shape)} vs hidden {tuple(self.hidden.shape)}"
-        )
 
 
 def batch_field(batch: Any, name: str, required: bool = True) -> Tensor | None:

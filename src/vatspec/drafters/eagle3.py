@@ -452,11 +452,6 @@ class Eagle3Drafter(nn.Module):
             label_ok = sup[:, 2:].unfold(1, k, 1)  # [B, T', k]: sup at t + 2 + i
             start_ok = am[:, :Tc] & am[:, 1 : Tc + 1]  # [B, T']: f_t and x_{t+1} are real
             valid = (start_ok[..., None] & label_ok).long().cumprod(-1).bool()
-        # the target's final normed hidden at t + 1 + i, the state its lm_head reads for the same token
-        target_hidden = None
-        if tout.hidden is not None and tout.hidden.shape[-1] == self.config.hidden_size:
-            th = torch.nn.functional.pad(tout.hidden[:, 1:].to(dev), (0, 0, 0, pad))  # [B, T-1+pad, H]
-            target_hidden = th.unfold(1, k, 1)[:, :Tc].transpose(-1, -2)  # [B, T', k, H]
         if not with_logits:
             step = idx[:, None] + 1 + torch.arange(k, device=dev)  # [T', k] t + 1 + i
             index = torch.arange(B, device=dev)[:, None, None] * T + step.clamp(max=T - 1)  # [B, T', k]
@@ -468,7 +463,7 @@ class Eagle3Drafter(nn.Module):
             return DraftOutput(
                 logits=None, hidden=torch.stack(hidden, dim=2), target_logits=logits_t.reshape(B * T, -1),
                 valid=valid, lm_head=self.lm_head.weight, target_index=index, target_head=head,
-                target_vocab_size=self.config.vocab_size, target_hidden=target_hidden,
+                target_vocab_size=self.config.vocab_size,
             )
         rows = logits_t[:, 1:]  # [B, T-1, V]
         if pad:
@@ -479,7 +474,6 @@ class Eagle3Drafter(nn.Module):
             hidden=torch.stack(hidden, dim=2),
             target_logits=target_logits,
             valid=valid,
-            target_hidden=target_hidden,
         )
 
     # --------------------------------------------------------------- inference

@@ -185,6 +185,50 @@ def test_training_step_equals_unchunked(target, kind, overrides, target_logits):
         torch.testing.assert_close(grads[name], g, rtol=RTOL32, atol=RTOL32 * g.abs().max().item(), msg=name)
 
 
+def test_lockstep_arms_share_their_teacher_and_train_the_same(target, monkeypatch):
+    """The four demo arms on one batch, as ``arms_micro_step`` runs them: with a shared teacher list
+    the target side is computed twice (once per drafter kind) instead of four times, and every arm's
+    loss, parts and gradients are exactly those of the arm run alone."""
+    import vatspec.chunked as chunked
+
+    arms = [("eagle3", "eagle3"), ("eagle3", "vat"), ("dflash", "dflash"), ("dflash", "vat")]
+    built = []
+    for kind, loss in arms:
+        cfg = load_config(None, [f"drafter.kind={kind}", f"loss.kind={loss}", "drafter.draft_vocab_size=40",
+                                 "drafter.ttt_steps=4", "drafter.block_size=5", "drafter.num_anchors=6",
+                                 "loss.chunk_size=7"])
+        torch.manual_seed(0)
+        drafter = build_drafter(cfg.drafter, target, torch.arange(V) % 7)
+        module = TrainModule(drafter, AcceptHead(drafter.hidden_size) if cfg.loss.head else None)
+        built.append((cfg, drafter, module))
+    batch = _batch()
+    plans = [plan_batch(d, batch, c.drafter, step_generator(0, 0, 0, 0), with_logits=False) for c, d, _ in built]
+    touts = shared_target_pass(target, batch, [d for _, d, _ in built], plans)
+    calls = []
+    real = chunked.teacher
+    monkeypatch.setattr(chunked, "teacher", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+
+    def run(shared):
+        results = []
+        for (cfg, drafter, module), tout, plan in zip(built, touts, plans):
+            module.zero_grad()
+            res = arm_step(module, drafter, batch, tout, plan, cfg.loss, step_generator(0, 1, 0, 0), shared)
+            res.loss.backward()
+            results.append((res, {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}))
+        return results
+
+    alone = run(None)
+    assert len(calls) == 4
+    calls.clear()
+    together = run([])
+    assert len(calls) == 2
+    for (ref, ref_grads), (res, grads) in zip(alone, together):
+        assert torch.equal(res.loss, ref.loss)
+        assert all(torch.equal(res.parts[n], ref.parts[n]) for n in ref.parts)
+        assert torch.equal(res.metrics.chain_accepted, ref.metrics.chain_accepted)
+        assert grads.keys() == ref_grads.keys() and all(torch.equal(grads[n], g) for n, g in ref_grads.items())
+
+
 def test_chunk_size_is_checked():
     from vatspec.config import ConfigError
     from vatspec.losses import LossConfig

@@ -30,7 +30,9 @@ and reduction are the unchunked path's. Values and gradients equal it to float r
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -238,6 +240,37 @@ def teacher(
         return argmax, p, (entropy(p) if with_entropy and p is not None else None)
 
 
+class SharedTeacher(NamedTuple):
+    """One ``teacher`` result kept for the other arms of a lockstep batch (``shared_teacher``)."""
+
+    table: Tensor
+    rows: Tensor
+    d2t: Tensor | None
+    head: Callable[[Tensor], Tensor] | None
+    argmax: Tensor
+    p: Tensor
+
+
+def shared_teacher(
+    shared: list[SharedTeacher], table: Tensor, rows: Tensor, d2t: Tensor | None, *, chunk_size: int,
+    soft: bool, head: Callable[[Tensor], Tensor] | None = None, with_entropy: bool = False,
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """``teacher``, computed once for the arms of one lockstep batch: the arms that read the same
+    target rows of the same table through the same head and draft vocabulary (EAGLE-3 and EAGLE-3 +
+    VAT; the two DFlash arms, whose anchors come from the same seed) get the result the first of
+    them computed, kept in ``shared`` (one list per batch). The vocabulary-wide matmul is most of a
+    teacher's cost, so the soft labels are always kept, for whichever arm needs them."""
+    for e in shared:  # the arms' tables are views of one tensor (kept alive here, so its address is its own)
+        same_table = (e.table.data_ptr() == table.data_ptr() and e.table.shape == table.shape
+                      and e.table.stride() == table.stride() and e.table.dtype == table.dtype)
+        if (same_table and e.head == head and torch.equal(e.rows, rows)
+                and (e.d2t is d2t or (e.d2t is not None and d2t is not None and torch.equal(e.d2t, d2t)))):
+            return e.argmax, e.p if soft else None, entropy(e.p) if with_entropy else None
+    argmax, p, _ = teacher(table, rows, d2t, chunk_size=chunk_size, soft=True, head=head)
+    shared.append(SharedTeacher(table, rows, d2t, head, argmax, p))
+    return argmax, p if soft else None, entropy(p) if with_entropy else None
+
+
 def chunked_pass(
     out: DraftOutput,
     cfg: LossConfig,
@@ -245,6 +278,7 @@ def chunked_pass(
     d2t: Tensor | None = None,
     t2d: Tensor | None = None,
     generator: torch.Generator | None = None,
+    shared: list[SharedTeacher] | None = None,
 ) -> tuple[Verification, PositionTerms, Tensor]:
     """Verification, the per-position terms and the draft argmax of a chunked ``DraftOutput``
     (``out.logits`` is None; ``out.lm_head``, ``out.target_logits [P, V]`` and ``out.target_index``
@@ -254,7 +288,9 @@ def chunked_pass(
     [..., k])``: what ``simulate_verification``, ``losses.position_terms`` and the metrics compute from
     full logits, for ``vat_objective(..., terms=..., draft_argmax=...)`` and ``chain_metrics(...,
     draft_argmax=...)``. Every term is 0 and the argmax 0 at positions the pass skips (invalid ones,
-    outside sampled mode): every consumer masks them.
+    outside sampled mode): every consumer masks them. ``shared``: a list kept over the arms of one
+    lockstep batch, so that arms reading the same target rows compute their teacher once
+    (``shared_teacher``); None = always computed here.
     """
     if out.logits is not None or out.lm_head is None or out.target_index is None:
         raise ValueError("chunked_pass needs a DraftOutput made with with_logits=False (lm_head and target_index)")
@@ -274,8 +310,9 @@ def chunked_pass(
 
     # 1. teacher, once per target row read
     used, inv = torch.unique(rows, return_inverse=True)  # [U], [N']
-    t_argmax, p, ent = teacher(table, used, d2t, chunk_size=C, soft=cfg.uses_soft_labels, head=out.target_head,
-                               with_entropy=cfg.uses_entropy)
+    teach = teacher if shared is None else functools.partial(shared_teacher, shared)
+    t_argmax, p, ent = teach(table, used, d2t, chunk_size=C, soft=cfg.uses_soft_labels, head=out.target_head,
+                             with_entropy=cfg.uses_entropy)
     target_argmax = torch.zeros(valid.numel(), dtype=torch.long, device=valid.device)
     target_argmax[pos] = t_argmax[inv]
     target_argmax = target_argmax.view(lead)

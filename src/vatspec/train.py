@@ -127,12 +127,14 @@ def shared_target_pass(target, batch, drafters, plans) -> list[TargetOutput]:
     return outs
 
 
-def arm_step(model, drafter, batch, tout, plan, loss_cfg, generator) -> StepResult:
-    """The drafter's chains -> verification -> objective, for one arm on one micro-batch."""
+def arm_step(model, drafter, batch, tout, plan, loss_cfg, generator, shared: list | None = None) -> StepResult:
+    """The drafter's chains -> verification -> objective, for one arm on one micro-batch. ``shared``:
+    the teacher results of the batch's other arms (``chunked.shared_teacher``), or None."""
     out, head_logits = model(batch, tout, plan)
     terms = draft_argmax = None
     if out.logits is None:  # loss.chunk_size > 0: the vocabulary-wide work chunk by chunk
-        ver, terms, draft_argmax = chunked_pass(out, loss_cfg, d2t=drafter.d2t, t2d=drafter.t2d, generator=generator)
+        ver, terms, draft_argmax = chunked_pass(out, loss_cfg, d2t=drafter.d2t, t2d=drafter.t2d, generator=generator,
+                                                shared=shared)
     else:
         ver = simulate_verification(
             out.logits, out.target_logits, out.valid,
@@ -153,9 +155,10 @@ def arms_micro_step(arms, target, batch, generators) -> Iterator[StepResult]:
         plans = [plan_batch(a.drafter, batch, a.cfg.drafter, g, with_logits=not a.loss_cfg.chunk_size)
                  for a, g in zip(arms, generators)]
         touts = shared_target_pass(target, batch, [a.drafter for a in arms], plans)
+    shared = [] if len(arms) > 1 else None  # arms reading the same target rows share their teacher
     for a, t, p, g in zip(arms, touts, plans, generators):
         with autocast:  # the forward and the loss; the caller's backward runs outside it
-            res = arm_step(a.model, a.drafter, batch, t, p, a.loss_cfg, g)
+            res = arm_step(a.model, a.drafter, batch, t, p, a.loss_cfg, g, shared)
         yield res
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from vatspec import data as D
+from vatspec.chunked import TeacherShare
 from vatspec.data import BatchIterator
 from vatspec.demo import ARMS, SIZES, arm_configs
 from vatspec.drafters import plan_batch
@@ -61,7 +62,7 @@ def main() -> None:
             plans = [plan_batch(a.drafter, batch, a.cfg.drafter, g, with_logits=not a.loss_cfg.chunk_size)
                      for a, g in zip(arms, gens)]
             touts = shared_target_pass(cached, batch, [a.drafter for a in arms], plans)
-            shared = [] if mode == "shared" else None
+            shared = TeacherShare() if mode == "shared" else None
             for a, tout, plan, g in zip(arms, touts, plans, gens):
                 a.opt.zero_grad(set_to_none=True)
                 res = arm_step(a.model, a.drafter, batch, tout, plan, a.loss_cfg, g, shared)

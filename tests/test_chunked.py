@@ -186,9 +186,10 @@ def test_training_step_equals_unchunked(target, kind, overrides, target_logits):
 
 
 def test_lockstep_arms_share_their_teacher_and_train_the_same(target, monkeypatch):
-    """The four demo arms on one batch, as ``arms_micro_step`` runs them: with a shared teacher list
-    the target side is computed twice (once per drafter kind) instead of four times, and every arm's
-    loss, parts and gradients are exactly those of the arm run alone."""
+    """The four demo arms on one batch, as ``arms_micro_step`` runs them: with a shared teacher the
+    target side is computed twice (once per drafter kind) instead of four times, three times when
+    the soft labels are not kept for later arms, and every arm's loss, parts and gradients are
+    exactly those of the arm run alone."""
     import vatspec.chunked as chunked
 
     arms = [("eagle3", "eagle3"), ("eagle3", "vat"), ("dflash", "dflash"), ("dflash", "vat")]
@@ -220,8 +221,13 @@ def test_lockstep_arms_share_their_teacher_and_train_the_same(target, monkeypatc
     alone = run(None)
     assert len(calls) == 4
     calls.clear()
-    together = run([])
+    apart = run(chunked.TeacherShare(keep_soft=False))  # DFlash's baseline reads no soft labels, its VAT arm does
+    assert len(calls) == 3
+    calls.clear()
+    together = run(chunked.TeacherShare(keep_soft=True))
     assert len(calls) == 2
+    for (ref, _), (res, _) in zip(alone, apart):
+        assert torch.equal(res.loss, ref.loss)
     for (ref, ref_grads), (res, grads) in zip(alone, together):
         assert torch.equal(res.loss, ref.loss)
         assert all(torch.equal(res.parts[n], ref.parts[n]) for n in ref.parts)

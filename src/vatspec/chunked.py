@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -240,34 +241,43 @@ def teacher(
         return argmax, p, (entropy(p) if with_entropy and p is not None else None)
 
 
-class SharedTeacher(NamedTuple):
-    """One ``teacher`` result kept for the other arms of a lockstep batch (``shared_teacher``)."""
-
+class _Taught(NamedTuple):
     table: Tensor
     rows: Tensor
     d2t: Tensor | None
     head: Callable[[Tensor], Tensor] | None
     argmax: Tensor
-    p: Tensor
+    p: Tensor | None
+
+
+@dataclass
+class TeacherShare:
+    """The ``teacher`` results of one lockstep batch, kept for its later arms (``shared_teacher``).
+    ``keep_soft``: compute the soft labels even for an arm that does not read them, because a
+    later arm does (``train.arms_micro_step`` sets it when any arm reads them). The results live
+    until the batch's last arm is done: in lockstep one ``[rows, Vd]`` float32 tensor per drafter
+    kind stays in memory a little longer than each arm alone would keep it."""
+
+    keep_soft: bool = True
+    taught: list[_Taught] = field(default_factory=list)
 
 
 def shared_teacher(
-    shared: list[SharedTeacher], table: Tensor, rows: Tensor, d2t: Tensor | None, *, chunk_size: int,
+    share: TeacherShare, table: Tensor, rows: Tensor, d2t: Tensor | None, *, chunk_size: int,
     soft: bool, head: Callable[[Tensor], Tensor] | None = None, with_entropy: bool = False,
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """``teacher``, computed once for the arms of one lockstep batch: the arms that read the same
     target rows of the same table through the same head and draft vocabulary (EAGLE-3 and EAGLE-3 +
     VAT; the two DFlash arms, whose anchors come from the same seed) get the result the first of
-    them computed, kept in ``shared`` (one list per batch). The vocabulary-wide matmul is most of a
-    teacher's cost, so the soft labels are always kept, for whichever arm needs them."""
-    for e in shared:  # the arms' tables are views of one tensor (kept alive here, so its address is its own)
+    them computed. The vocabulary-wide matmul is most of a teacher's cost."""
+    for e in share.taught:  # the arms' tables are views of one tensor (kept alive here, so its address is its own)
         same_table = (e.table.data_ptr() == table.data_ptr() and e.table.shape == table.shape
                       and e.table.stride() == table.stride() and e.table.dtype == table.dtype)
-        if (same_table and e.head == head and torch.equal(e.rows, rows)
+        if (same_table and e.head == head and torch.equal(e.rows, rows) and (e.p is not None or not soft)
                 and (e.d2t is d2t or (e.d2t is not None and d2t is not None and torch.equal(e.d2t, d2t)))):
             return e.argmax, e.p if soft else None, entropy(e.p) if with_entropy else None
-    argmax, p, _ = teacher(table, rows, d2t, chunk_size=chunk_size, soft=True, head=head)
-    shared.append(SharedTeacher(table, rows, d2t, head, argmax, p))
+    argmax, p, _ = teacher(table, rows, d2t, chunk_size=chunk_size, soft=soft or share.keep_soft, head=head)
+    share.taught.append(_Taught(table, rows, d2t, head, argmax, p))
     return argmax, p if soft else None, entropy(p) if with_entropy else None
 
 
@@ -278,7 +288,7 @@ def chunked_pass(
     d2t: Tensor | None = None,
     t2d: Tensor | None = None,
     generator: torch.Generator | None = None,
-    shared: list[SharedTeacher] | None = None,
+    shared: TeacherShare | None = None,
 ) -> tuple[Verification, PositionTerms, Tensor]:
     """Verification, the per-position terms and the draft argmax of a chunked ``DraftOutput``
     (``out.logits`` is None; ``out.lm_head``, ``out.target_logits [P, V]`` and ``out.target_index``
@@ -288,7 +298,7 @@ def chunked_pass(
     [..., k])``: what ``simulate_verification``, ``losses.position_terms`` and the metrics compute from
     full logits, for ``vat_objective(..., terms=..., draft_argmax=...)`` and ``chain_metrics(...,
     draft_argmax=...)``. Every term is 0 and the argmax 0 at positions the pass skips (invalid ones,
-    outside sampled mode): every consumer masks them. ``shared``: a list kept over the arms of one
+    outside sampled mode): every consumer masks them. ``shared``: kept over the arms of one
     lockstep batch, so that arms reading the same target rows compute their teacher once
     (``shared_teacher``); None = always computed here.
     """

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from vatspec import checkpoint as ckpt_io
-from vatspec.chunked import chunked_pass
+from vatspec.chunked import TeacherShare, chunked_pass
 from vatspec.config import Config, OptimConfig, dump_config
 from vatspec.drafters import DrafterPlan, build_drafter, plan_batch
 from vatspec.drafters.base import AcceptHead
@@ -127,7 +127,7 @@ def shared_target_pass(target, batch, drafters, plans) -> list[TargetOutput]:
     return outs
 
 
-def arm_step(model, drafter, batch, tout, plan, loss_cfg, generator, shared: list | None = None) -> StepResult:
+def arm_step(model, drafter, batch, tout, plan, loss_cfg, generator, shared: TeacherShare | None = None) -> StepResult:
     """The drafter's chains -> verification -> objective, for one arm on one micro-batch. ``shared``:
     the teacher results of the batch's other arms (``chunked.shared_teacher``), or None."""
     out, head_logits = model(batch, tout, plan)
@@ -155,7 +155,9 @@ def arms_micro_step(arms, target, batch, generators) -> Iterator[StepResult]:
         plans = [plan_batch(a.drafter, batch, a.cfg.drafter, g, with_logits=not a.loss_cfg.chunk_size)
                  for a, g in zip(arms, generators)]
         touts = shared_target_pass(target, batch, [a.drafter for a in arms], plans)
-    shared = [] if len(arms) > 1 else None  # arms reading the same target rows share their teacher
+    shared = None  # arms reading the same target rows share their teacher
+    if len(arms) > 1:
+        shared = TeacherShare(keep_soft=any(a.loss_cfg.chunk_size and a.loss_cfg.uses_soft_labels for a in arms))
     for a, t, p, g in zip(arms, touts, plans, generators):
         with autocast:  # the forward and the loss; the caller's backward runs outside it
             res = arm_step(a.model, a.drafter, batch, t, p, a.loss_cfg, g, shared)

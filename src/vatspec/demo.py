@@ -65,8 +65,7 @@ SIZES = {
                       anchors=8, eval_every=4, eval_prompts=1, eval_tokens=24, calibration_prompts=1,
                       benches=("gsm8k", "humaneval", "mt_bench")),
     # the long recipe (`vatspec demo --full`, <= 2 h on 2 cores from an empty cache; docs/results.md)
-    "full": DemoSize(prompts=512, steps=120, block_size=8, anchors=32, eval_every=30, eval_prompts=3,
-                     eval_tokens=64, seeds=3),  # block 8: what its recorded figures were measured with
+    "full": DemoSize(prompts=512, steps=240, anchors=32, eval_every=60, eval_prompts=3, eval_tokens=64, seeds=3),
 }
 
 ARMS = {  # report name -> (drafter kind, loss kind)

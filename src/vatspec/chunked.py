@@ -14,7 +14,8 @@ turn it into logits (the loop runs the target without logits), or logits [P, V] 
    logits, its argmax [P'] and, for the soft term, its softmax over the draft vocabulary [P', Vd]
    (EAGLE-3: the ``t2d`` columns, renormalised; DFlash: all V). Never [N, V] or [B, T, V].
 2. one pass over the N' kept positions (the valid ones; every one in sampled mode, whose draws walk
-   every position as ``simulate_verification`` does), C rows at a time: ``x = h W^T`` in float32,
+   every position as ``simulate_verification`` does), C rows at a time: ``x = h W^T`` in float32
+   (bf16 under bf16 autocast),
    the draft argmax, the soft and hard CE, alpha = sum min(p, q) when the loss reads it (tv, lk,
    DSpark's head), and (sampled / expected) ``verify.position_stats``; H(p) for KL comes from step 1.
 3. backward (``_ChunkedHeadCE``): recompute x per chunk and hand
@@ -42,6 +43,7 @@ from torch import Tensor
 from vatspec.drafters.base import DraftOutput
 from vatspec.drafters.vocab import target_ids
 from vatspec.losses import LossConfig, PositionTerms, entropy, hard_labels
+from vatspec.target import frozen_cast
 from vatspec.verify import Verification, chain_verification, draft_to_target, position_stats
 
 
@@ -71,14 +73,17 @@ class _ChunkedHeadCE(torch.autograd.Function):
     ``hard = lse - x[label]``, ``alpha = sum min(p, q)``; backward, with ``m = [q < p]`` and
     ``S = sum m q``: ``dx = (gs + gh - ga S) q + ga m q - gs p - gh onehot`` (``losses._TokenCE``'s
     gradient, plus alpha's: ``d alpha / dx_u = m_u q_u - q_u S``).
-    Both run outside autocast: it would cast the matmuls' inputs to bf16, which the float32 buffers
-    refuse, so under bf16 autocast the chunked logits are those of the weight's own dtype.
+    Both run outside autocast, which would cast into the float32 buffers; ``mm_dtype`` (bf16 when
+    ``chunked_token_ce`` is called under bf16 autocast, else None) is the matmuls' own input dtype
+    instead: ``x = h W^T``, ``dh = dx W`` and ``dW += dx^T h`` multiply in it (the logits rounded to
+    bf16, as autocast's own linear returns them) and the softmax, the CE and dW are float32.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, p, p_index, labels, alpha, chunk, softcap, on_chunk):
+    def forward(ctx, hidden, weight, p, p_index, labels, alpha, chunk, softcap, on_chunk, mm_dtype):
         with torch.autocast(hidden.device.type, enabled=False):
-            return _ChunkedHeadCE._forward(ctx, hidden, weight, p, p_index, labels, alpha, chunk, softcap, on_chunk)
+            return _ChunkedHeadCE._forward(ctx, hidden, weight, p, p_index, labels, alpha, chunk, softcap, on_chunk,
+                                           mm_dtype)
 
     @staticmethod
     def backward(ctx, g_soft, g_hard, g_alpha, _g_argmax):
@@ -86,9 +91,10 @@ class _ChunkedHeadCE(torch.autograd.Function):
             return _ChunkedHeadCE._backward(ctx, g_soft, g_hard, g_alpha)
 
     @staticmethod
-    def _forward(ctx, hidden, weight, p, p_index, labels, alpha, chunk, softcap, on_chunk):
+    def _forward(ctx, hidden, weight, p, p_index, labels, alpha, chunk, softcap, on_chunk, mm_dtype):
         N = hidden.shape[0]
         dtype = torch.promote_types(weight.dtype, torch.float32)
+        w = frozen_cast(weight, mm_dtype) if mm_dtype is not None else weight  # once a call, not a chunk
         dev = hidden.device
         soft = torch.empty(N, dtype=dtype, device=dev) if p is not None else None
         hard = torch.empty(N, dtype=dtype, device=dev) if labels is not None else None
@@ -99,7 +105,7 @@ class _ChunkedHeadCE(torch.autograd.Function):
         pbuf = torch.empty_like(xbuf) if p is not None else None
         for s in range(0, N, chunk):
             e = min(N, s + chunk)
-            x = head_logits(hidden[s:e], weight, softcap, out=xbuf[: e - s])  # [c, Vd]
+            x = head_logits(hidden[s:e], w, softcap, out=xbuf[: e - s])  # [c, Vd]
             argmax[s:e] = x.argmax(-1)
             if on_chunk is not None:
                 on_chunk(x, s, e)
@@ -119,7 +125,7 @@ class _ChunkedHeadCE(torch.autograd.Function):
             if alpha:  # q = exp(x - m) / z
                 acc[s:e] = torch.minimum(x.div_(z[:, None]), pc, out=x).sum(-1)
         ctx.save_for_backward(hidden, weight, p, p_index, labels, lse)
-        ctx.chunk, ctx.softcap = chunk, softcap
+        ctx.chunk, ctx.softcap, ctx.mm_dtype = chunk, softcap, mm_dtype
         ctx.mark_non_differentiable(argmax)
         return soft, hard, acc, argmax
 
@@ -129,6 +135,7 @@ class _ChunkedHeadCE(torch.autograd.Function):
         need_h, need_w = ctx.needs_input_grad[:2]
         N, cap = hidden.shape[0], ctx.softcap
         dtype = torch.promote_types(weight.dtype, torch.float32)
+        w = frozen_cast(weight, ctx.mm_dtype) if ctx.mm_dtype is not None else weight
         dh = torch.empty_like(hidden) if need_h else None
         dw = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if need_w else None
         use_soft = p is not None and g_soft is not None
@@ -143,8 +150,8 @@ class _ChunkedHeadCE(torch.autograd.Function):
         ga = g_alpha.to(dtype) if use_alpha else zero
         for s in range(0, N, ctx.chunk):
             e = min(N, s + ctx.chunk)
-            h = hidden[s:e].to(weight.dtype)
-            x = head_logits(h, weight, cap, out=xbuf[: e - s])  # [c, Vd]
+            h = hidden[s:e].to(w.dtype)
+            x = head_logits(h, w, cap, out=xbuf[: e - s])  # [c, Vd]
             dcap = 1 - (x / cap) ** 2 if cap else None  # x = c tanh(z / c): dx/dz = 1 - (x / c)^2
             pc = None
             if use_soft or use_alpha:
@@ -164,12 +171,14 @@ class _ChunkedHeadCE(torch.autograd.Function):
                 dx.scatter_add_(-1, labels[s:e, None], -gh[s:e, None])
             if cap:
                 dx.mul_(dcap)
-            dxw = dx.to(weight.dtype)
+            dxw = dx.to(w.dtype)
             if need_h:
-                dh[s:e] = (dxw @ weight).to(dh.dtype)
-            if need_w:
+                dh[s:e] = (dxw @ w).to(dh.dtype)
+            if need_w and ctx.mm_dtype is not None:
+                dw.add_(dxw.T @ h)
+            elif need_w:
                 dw.addmm_(dx.T, h.to(dtype))
-        return dh, dw.to(weight.dtype) if need_w else None, None, None, None, None, None, None, None
+        return dh, dw.to(weight.dtype) if need_w else None, None, None, None, None, None, None, None, None
 
 
 def chunked_token_ce(
@@ -191,7 +200,9 @@ def chunked_token_ce(
     hard term); alpha: also the expected acceptance ``sum min(p, q)`` per row (needs p). Returns
     ``(soft [N] or None, hard [N] or None, alpha [N] or None, draft argmax [N])``. Equal to
     ``losses.token_ce(head_logits(hidden, weight), p[p_index], labels)`` and ``losses.acceptance``,
-    gradients w.r.t. hidden and weight included.
+    gradients w.r.t. hidden and weight included. Under bf16 autocast (``train.precision=bf16``) the
+    matmuls multiply bf16 copies of hidden and weight, and round the logits to bf16, as autocast's
+    own linear does; the softmax and CE stay float32.
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
@@ -204,7 +215,10 @@ def chunked_token_ce(
         )
     if alpha and p is None:
         raise ValueError("chunked_token_ce: alpha needs the soft labels p")
-    return _ChunkedHeadCE.apply(hidden, weight, p, p_index, labels, bool(alpha), int(chunk_size), softcap, on_chunk)
+    dev = hidden.device.type
+    mm_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+    return _ChunkedHeadCE.apply(hidden, weight, p, p_index, labels, bool(alpha), int(chunk_size), softcap, on_chunk,
+                                mm_dtype)
 
 
 def teacher(

@@ -20,6 +20,7 @@ import json
 import os
 import shutil
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -310,6 +311,8 @@ class Target:
         Applies the model's final logit soft-capping where the architecture has one (Gemma).
         """
         w = self.lm_head.weight  # on the last device of a device_map: the logits come back to hidden's
+        if torch.is_autocast_enabled(w.device.type):  # a training step's teacher: cast the frozen head once
+            w = frozen_cast(w, torch.get_autocast_dtype(w.device.type))
         lg = skinny_linear(hidden.to(w.device), w, self.lm_head.bias).float().to(hidden.device)
         cap = getattr(self.config, "final_logit_softcapping", None)
         if cap:
@@ -339,6 +342,26 @@ def skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     if bias is not None:
         out = out + bias
     return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+_CASTS: dict[tuple[int, torch.dtype], tuple[weakref.ref, int, Tensor]] = {}
+
+
+def frozen_cast(weight: Tensor, dtype: torch.dtype) -> Tensor:
+    """``weight.to(dtype)``, kept while ``weight`` lives unchanged (the same tensor at the same
+    version), for a weight without grad that bf16 autocast would otherwise cast at every call: the
+    target's lm_head ([49152, 576] on SmolLM2) costs ~20 ms a cast on the 2-core CPU, several times
+    per training step. A weight that trains is cast afresh (autocast caches those itself)."""
+    if weight.dtype == dtype or weight.requires_grad:
+        return weight.to(dtype)
+    key = (id(weight), dtype)
+    hit = _CASTS.get(key)
+    if hit is not None and hit[0]() is weight and hit[1] == weight._version:
+        return hit[2]
+    for k in [k for k, (ref, _, _) in _CASTS.items() if ref() is None]:  # drop the casts of freed weights
+        del _CASTS[k]
+    _CASTS[key] = (weakref.ref(weight), weight._version, cast := weight.detach().to(dtype))
+    return cast
 
 
 class SkinnyLinear(nn.Linear):

@@ -81,8 +81,9 @@ def test_demo_refuses_a_foreign_folder_in_one_line(tmp_path, capsys):
 
 def test_demo_redecode_refuses_a_size_and_needs_a_finished_demo(tmp_path, capsys):
     assert main(["demo", "--redecode", "--full", "--steps", "5", "--out", str(tmp_path)]) == 2
+    assert main(["demo", "--redecode", "--precision", "bf16", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("vatspec demo: error: ") and "drop --full --steps" in err
+    assert err.startswith("vatspec demo: error: ") and "drop --full --steps" in err and "drop --precision" in err
     assert main(["demo", "--redecode", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "demo.json: not the record of a finished demo" in err and "Traceback" not in err
@@ -98,6 +99,8 @@ def test_demo_sizes_full_and_seeds(capsys):
     full = mod.size_of(parser.parse_args(["--full"]))
     assert full == SIZES["full"] and full.seeds >= 3  # the long recipe reports a mean over >= 3 seeds
     assert mod.size_of(parser.parse_args(["--quick", "--seeds", "2"])).seeds == 2
+    assert SIZES["default"].precision == "auto" and mod.size_of(parser.parse_args(["--precision", "fp32"])).precision \
+        == "fp32"
     with pytest.raises(SystemExit):
         parser.parse_args(["--quick", "--full"])
     assert "not allowed with argument" in capsys.readouterr().err

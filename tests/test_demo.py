@@ -10,8 +10,10 @@ import json
 import math
 
 import pytest
+import torch
 
 from vatspec.demo import ARMS, SIZES, DemoError, redecode_demo, run_ablation, run_demo
+from vatspec.train import native_bf16
 
 pytestmark = pytest.mark.slow
 
@@ -41,6 +43,11 @@ def test_quick_demo_writes_a_complete_report(tmp_path):
 
     data = json.loads((out / "demo.json").read_text())
     assert set(data["train_final"]) == set(ARMS)
+    # "auto" is recorded as what ran, and every arm's config says the same
+    precision = "bf16" if native_bf16(torch.device("cpu")) else "fp32"
+    assert data["size"]["precision"] == precision
+    assert all(f"precision: {precision}" in (out / f"config-{n}.yaml").read_text()
+               for n in ("eagle3", "eagle3_vat", "dflash", "dflash_vat"))
     for name, m in data["train_final"].items():
         assert _finite(m["tau_sim"]) and 1.0 <= m["tau_sim"] <= size.ttt_steps + 1, name
         assert m["chains"] > 0

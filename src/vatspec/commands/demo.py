@@ -21,12 +21,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="the ~3-minute smoke size (CI runs it)")
     size.add_argument("--full", action="store_true",
-                      help="the long recipe: 512 conversations, 240 steps, 3 seeds per arm (<= 2 h on 2 cores)")
+                      help="the long recipe: 512 conversations, 400 steps, 3 seeds per arm (<= 2 h on 2 cores)")
     parser.add_argument("--out", default="reports/demo", help="report folder (default: reports/demo)")
     parser.add_argument("--steps", type=int_arg(1), help="override the number of training steps")
     parser.add_argument("--prompts", type=int_arg(2), help="override the number of training conversations")
     parser.add_argument("--eval-prompts", type=int_arg(1), help="override prompts per benchmark")
     parser.add_argument("--seeds", type=int_arg(1), help="override the number of training seeds per arm")
+    parser.add_argument("--precision", choices=["auto", "fp32", "bf16"],
+                        help="training precision (default auto: bf16 autocast where the CPU multiplies bf16 in "
+                             "hardware, AVX512-BF16 or AMX, else fp32)")
     parser.add_argument("--threads", type=int_arg(1), default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--redecode", action="store_true",
@@ -38,7 +41,8 @@ def run(args: argparse.Namespace) -> int:
     show_steps("demo")
     try:
         if args.redecode:
-            sized = [f"--{f.replace('_', '-')}" for f in ("quick", "full", "steps", "prompts", "eval_prompts", "seeds")
+            sized = [f"--{f.replace('_', '-')}" for f in ("quick", "full", "steps", "prompts", "eval_prompts", "seeds",
+                                                          "precision")
                      if getattr(args, f) not in (None, False)]
             if sized:
                 raise DemoError(f"--redecode decodes the demo in --out at its recorded size: drop {' '.join(sized)}")
@@ -51,11 +55,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def size_of(args: argparse.Namespace) -> DemoSize:
-    """``--quick`` / ``--full`` pick the size; ``--steps``, ``--prompts``, ``--eval-prompts``, ``--seeds``
-    override it."""
+    """``--quick`` / ``--full`` pick the size; ``--steps``, ``--prompts``, ``--eval-prompts``, ``--seeds``,
+    ``--precision`` override it."""
     size = SIZES["quick" if args.quick else "full" if args.full else "default"]
     changes = {k: v for k, v in (("steps", args.steps), ("prompts", args.prompts),
-                                 ("eval_prompts", args.eval_prompts), ("seeds", args.seeds))
+                                 ("eval_prompts", args.eval_prompts), ("seeds", args.seeds),
+                                 ("precision", args.precision))
                if v is not None}
     return dataclasses.replace(size, **changes)
 

@@ -12,6 +12,7 @@ from vatspec.target import (
     TargetError,
     default_gguf_path,
     dtype_name,
+    frozen_cast,
     open_target,
     skinny_linear,
 )
@@ -49,6 +50,27 @@ def test_logits_match_hf_and_logits_at_selects(tiny_target):
     part = tiny_target(ids, mask, logits_at=sel)
     assert part.logits.shape == (3, 96)
     torch.testing.assert_close(part.logits, full.logits[sel])
+
+
+def test_frozen_cast_is_kept_until_the_weight_changes():
+    w = torch.randn(8, 4)
+    c = frozen_cast(w, torch.bfloat16)
+    assert c.dtype == torch.bfloat16 and torch.equal(c, w.bfloat16())
+    assert frozen_cast(w, torch.bfloat16) is c  # the same weight, unchanged: the kept copy
+    w.mul_(2)  # an in-place change bumps the version: cast afresh
+    assert torch.equal(frozen_cast(w, torch.bfloat16), w.bfloat16())
+    trained = torch.randn(8, 4, requires_grad=True)  # a weight that trains is never kept
+    assert frozen_cast(trained, torch.bfloat16) is not frozen_cast(trained, torch.bfloat16)
+    assert frozen_cast(w, torch.float32) is w
+
+
+def test_bf16_autocast_logits_use_the_kept_cast_of_the_head(tiny_target):
+    h = torch.randn(3, tiny_target.hidden_size)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        lg = tiny_target.logits(h)
+    w = tiny_target.lm_head.weight
+    assert lg.dtype == torch.float32 and frozen_cast(w, torch.bfloat16) is frozen_cast(w, torch.bfloat16)
+    torch.testing.assert_close(lg, (h.bfloat16() @ w.bfloat16().T).float())
 
 
 def test_target_is_frozen(tiny_target):

@@ -59,7 +59,7 @@ class DemoSize:
     seed: int = 0  # the training set's prompt draw, and the first training seed
     seeds: int = 1  # training seeds per arm (seed, seed + 1, ...): > 1 reports the VAT difference across seeds
     # train.precision: "auto" = bf16 autocast where the CPU multiplies bf16 natively (AVX512-BF16 / AMX:
-    # 1.6x faster steps on the 2-core machine, drafts as good per step; docs/results.md), else fp32
+    # 1.86x faster steps on the 2-core machine, drafts as good per step; docs/results.md), else fp32
     precision: str = "auto"
 
 

@@ -36,8 +36,8 @@ BENCHES = {"gsm8k": "math", "humaneval": "code", "mt_bench": "chat", "alpaca": "
 
 @dataclass(frozen=True)
 class DemoSize:
-    """How big a demo run is. ``default``: ~15 min on 2 CPU cores from an empty cache (20 is the budget),
-    8.4 with the data and feature caches warm (runs 9 and 11, docs/results.md); ``quick`` ~3."""
+    """How big a demo run is. ``default``: 15.6 min on 2 CPU cores from an empty cache (20 is the budget),
+    8.4 with the data and feature caches warm (runs 12 and 11, docs/results.md); ``quick`` ~3."""
 
     # 256 conversations: held-out EAGLE-3 tau_sim 1.335 at 120 steps against 1.215 with 128 x 48 (run 9);
     # bf16 steps cost 1/1.86 of fp32 ones, and the time saved buys 240 steps: 1.413 (run 11)

@@ -51,6 +51,12 @@ def test_quick_demo_writes_a_complete_report(tmp_path):
     for name, m in data["train_final"].items():
         assert _finite(m["tau_sim"]) and 1.0 <= m["tau_sim"] <= size.ttt_steps + 1, name
         assert m["chains"] > 0
+    # DFlash's pair trains on the same sequences at its own batch: twice the steps of half the batch
+    for n, kind in (("eagle3_vat", "eagle3"), ("dflash_vat", "dflash")):
+        cfg = (out / f"config-{n}.yaml").read_text()
+        assert f"batch_size: {size.batch_of(kind)}\n" in cfg and f"steps: {size.steps_of(kind)}\n" in cfg, n
+    assert size.batch_of("dflash") * size.steps_of("dflash") == size.batch_size * size.steps
+    assert size.batch_of("dflash") < size.batch_size
     for vat, base in (("EAGLE-3 + VAT", "EAGLE-3"), ("DFlash + VAT", "DFlash")):
         paired = data["train_paired"][vat]
         assert paired["vs"] == base and paired["units"] == data["train_final"][vat]["chains"]

@@ -85,7 +85,8 @@ def run_objectives(out: Path, size: DemoSize, drafter: str, arms: list[str], *, 
     if threads:
         torch.set_num_threads(threads)
     target = open_target("default", device="cpu", dtype="float32")
-    log.info(f"1/3 training {len(arms)} {drafter} arms in lockstep for {size.steps} steps: {', '.join(arms)}")
+    log.info(f"1/3 training {len(arms)} {drafter} arms in lockstep for {size.steps_of(drafter)} steps of "
+             f"{size.batch_of(drafter)}: {', '.join(arms)}")
     data_path, _ = prepare_training_data(target, size, vatspec_home(), progress)
     # the demo's cache (both drafters' layers), so the demo and every ablation share one
     features, _ = prepare_features(target, data_path, arm_configs(list(ARMS), size, data_path, out / "runs"),
@@ -207,7 +208,8 @@ def report_md(summary: dict, size: DemoSize) -> str:
         f"# Draft objectives side by side on {summary['drafter']} (SmolLM2-135M-Instruct)",
         "",
         f"Every arm trained in lockstep on the same batches and initialisation: {size.prompts} regenerated "
-        f"conversations, {size.steps} steps of {size.batch_size} sequences, seed {size.seed}; held-out split of "
+        f"conversations, {size.steps_of(summary['drafter'])} steps of {size.batch_of(summary['drafter'])} sequences, "
+        f"seed {size.seed}; held-out split of "
         f"the training set for τ_sim; {size.eval_prompts} prompt(s) of each of {', '.join(size.benches)} decoded at "
         f"temperature 0 with k = {next(iter(summary['k'].values()))} for every arm. Differences are from "
         f"{summary['baseline']}, with 95% paired-bootstrap intervals. Small-scale CPU run: "

@@ -138,7 +138,7 @@ def _step(target, kind: str, overrides: list[str], chunk: int, target_logits: bo
     torch.manual_seed(0)
     drafter = build_drafter(cfg.drafter, target, counts)
     head = AcceptHead(drafter.hidden_size) if cfg.loss.head else None
-    module = TrainModule(drafter, head)
+    module = TrainModule(drafter, head, head_grad=cfg.loss.head_grad)
     batch = _batch()
     plan = plan_batch(drafter, batch, cfg.drafter, step_generator(0, 0, 0, 0), with_logits=not chunk)
     if target_logits:
@@ -279,3 +279,17 @@ def test_runs_under_bf16_autocast_as_the_unchunked_expression_does():
         assert g.dtype == torch.float32
         # bf16 products (8 bits), dW's rounded per chunk here and once there: within 1% of the largest entry
         torch.testing.assert_close(g, r.float(), rtol=0, atol=1e-2 * r.abs().max().item())
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+def test_head_grad_off_trains_the_head_alone(target, kind):
+    """loss.head_grad=false: the draft's gradients are those of the same loss without the head's term
+    (beta = 0), the head's are those of beta = 1; with it on (the paper) the head reaches the draft."""
+    _, off = _step(target, kind, ["loss.kind=vat", "loss.head_grad=false"], 7)
+    _, on = _step(target, kind, ["loss.kind=vat"], 7)
+    _, no_term = _step(target, kind, ["loss.kind=vat", "loss.beta=0"], 7)
+    draft = [n for n in off if n.startswith("drafter.")]
+    assert draft and all(torch.allclose(off[n], no_term[n], atol=1e-6) for n in draft)
+    assert any(not torch.allclose(on[n], no_term[n], atol=1e-6) for n in draft)
+    heads = [n for n in off if n.startswith("head.")]
+    assert heads and all(torch.allclose(off[n], on[n], atol=1e-6) for n in heads)

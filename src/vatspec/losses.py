@@ -118,6 +118,8 @@ class LossConfig:
     lk_kl:       the LK hybrid's KL share: ``lk_kl * KL + (1 - lk_kl) * -log alpha``; 0 = -log alpha
                  alone. Default 0.5: an even blend (the LK paper adapts it over training; not tuned here).
     head:        accept-head BCE, scaled by ``beta``.
+    head_grad:   the head's BCE reaches the draft through its hidden states (True, the paper) or
+                 trains the head alone on detached hidden states (False).
     head_label:  what the head learns: "alive" (VAT: every earlier position accepted) or "alpha"
                  (DSpark: the position's expected acceptance, multiplied along the chain at inference).
     verify:      verification rule simulated for the labels ("greedy" | "sampled" | "expected").
@@ -144,6 +146,7 @@ class LossConfig:
     head: bool | None = None
     head_label: str | None = None
     beta: float = 1.0
+    head_grad: bool = True
     verify: str = "greedy"
     temperature: float = 1.0
     decay: float = 0.8
@@ -162,6 +165,8 @@ class LossConfig:
         for name in ("soft", "hard", "kl", "tv", "lk", "head"):
             if getattr(self, name) not in (None, True, False):
                 raise bad(name, "a bool or None")
+        if self.head_grad not in (True, False):
+            raise bad("head_grad", "a bool")
         if not (isinstance(self.lk_kl, (int, float)) and 0 <= self.lk_kl <= 1):
             raise bad("lk_kl", "in [0, 1]")
         if self.head_label is not None and self.head_label not in HEAD_LABELS:

@@ -56,17 +56,21 @@ class TrainError(RuntimeError):
 
 # ----------------------------------------------------------------------------- pieces
 class TrainModule(nn.Module):
-    """Drafter + accept head as one module, so DDP syncs both; forward = drafter forward + head."""
+    """Drafter + accept head as one module, so DDP syncs both; forward = drafter forward + head.
+    ``head_grad=False`` (``loss.head_grad``): the head reads detached hidden states, so its loss
+    trains the head alone."""
 
-    def __init__(self, drafter: nn.Module, head: AcceptHead | None):
+    def __init__(self, drafter: nn.Module, head: AcceptHead | None, head_grad: bool = True):
         super().__init__()
         self.drafter = drafter
         self.head = head
+        self.head_grad = head_grad
 
     def forward(self, batch, tout, plan: DrafterPlan):
         out = self.drafter.training_forward(batch, tout, **plan.kwargs)
-        head_logits = self.head(out.hidden) if self.head is not None else None  # [..., k]
-        return out, head_logits
+        if self.head is None:
+            return out, None
+        return out, self.head(out.hidden if self.head_grad else out.hidden.detach())  # [..., k]
 
 
 def lr_lambda(total: int, warmup: int, min_ratio: float):
@@ -534,7 +538,7 @@ def _build_arm(cfg: Config, target, counts, total: int, world: int, device, init
     drafter.to(device)
     loss_cfg = cfg.loss  # resolved with the config (config.resolve_loss)
     head = AcceptHead(drafter.hidden_size, label=loss_cfg.head_label).to(device) if loss_cfg.head else None
-    module = TrainModule(drafter, head)
+    module = TrainModule(drafter, head, head_grad=loss_cfg.head_grad)
     fsdp = world > 1 and cfg.train.parallel == "fsdp"
     if fsdp:
         from torch.distributed.device_mesh import init_device_mesh

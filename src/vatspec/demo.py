@@ -82,8 +82,7 @@ class DemoSize:
 SIZES = {
     "default": DemoSize(),
     "quick": DemoSize(prompts=16, regen_tokens=48, steps=8, batch_size=2, dflash_batch_size=1, max_length=128,
-                      draft_vocab=2048,
-                      anchors=8, eval_every=4, eval_prompts=1, eval_tokens=24, calibration_prompts=1,
+                      draft_vocab=2048, anchors=8, eval_every=4, eval_prompts=1, eval_tokens=24, calibration_prompts=1,
                       benches=("gsm8k", "humaneval", "mt_bench")),
     # the long recipe (`vatspec demo --full`, <= 2 h on 2 cores from an empty cache; docs/results.md): 5 seeds,
     # since 3 left every VAT interval across seeds wide (t(2) = 4.30 against t(4) = 2.78)

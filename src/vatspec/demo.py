@@ -72,11 +72,15 @@ class DemoSize:
 
     def steps_of(self, kind: str) -> int:
         """A drafter kind's optimizer steps: ``steps`` at ``batch_size``, the same sequences at its own batch."""
-        return max(1, self.steps * self.batch_size // self.batch_of(kind))
+        return self._at_batch_of(self.steps, kind)
 
     def eval_every_of(self, kind: str) -> int:
         """Held-out evaluations after the same number of sequences for every kind."""
-        return max(1, self.eval_every * self.batch_size // self.batch_of(kind))
+        return self._at_batch_of(self.eval_every, kind)
+
+    def _at_batch_of(self, steps: int, kind: str) -> int:
+        """``steps`` of ``batch_size`` sequences as steps of the kind's own batch."""
+        return max(1, steps * self.batch_size // self.batch_of(kind))
 
 
 SIZES = {
@@ -191,11 +195,11 @@ def train_lockstep(cfgs: list, progress: bool = True) -> list[dict]:
     """``train.train_arms`` over every group of arms that share their batches (the same data section
     and schedule: the demo's EAGLE-3 pair, then its DFlash pair); each arm's final held-out metrics,
     in the order of ``cfgs``."""
-    from vatspec.train import SHARED_TRAIN_FIELDS, train_arms
+    from vatspec.train import lockstep_key, train_arms
 
     groups: dict[str, list[int]] = {}
     for i, c in enumerate(cfgs):
-        groups.setdefault(repr((c.data, [getattr(c.train, f) for f in SHARED_TRAIN_FIELDS])), []).append(i)
+        groups.setdefault(lockstep_key(c), []).append(i)
     finals: list[dict] = [{} for _ in cfgs]
     for idx in groups.values():
         for i, final in zip(idx, train_arms([cfgs[i] for i in idx], progress=progress)):

@@ -252,6 +252,15 @@ def _all_reduce_mean(values: dict, world: int) -> dict:
 SHARED_SECTIONS = ("target", "data")
 SHARED_TRAIN_FIELDS = ("steps", "epochs", "seed", "eval_every", "save_every", "save_minutes", "log_every", "precision",
                        "parallel")
+
+
+def lockstep_key(cfg: Config) -> str:
+    """What arms trained together by ``train_arms`` must share, as one comparable value: configs with
+    equal keys can train in lockstep."""
+    return repr(([getattr(cfg, s) for s in SHARED_SECTIONS], [getattr(cfg.train, f) for f in SHARED_TRAIN_FIELDS],
+                 cfg.optim.grad_accum))
+
+
 SAVES_PER_RUN = 10  # train.save_every unset: a checkpoint every total // 10 steps
 
 

@@ -50,10 +50,11 @@ def _losses(run_dir: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("kind, loss", [("eagle3", "vat"), ("dflash", "vat")])
-def test_resume_reproduces_uninterrupted_losses(tiny_target_dir, data_file, tmp_path, kind, loss):
-    full = _cfg(tiny_target_dir, data_file, tmp_path / "full", f"drafter.kind={kind}", f"loss.kind={loss}",
-                "train.save_every=2")
+@pytest.mark.parametrize("kind, loss, optim", [("eagle3", "vat", "adamw"), ("dflash", "vat", "adamw"),
+                                               ("eagle3", "vat", "muon"), ("dflash", "dflash", "muon")])
+def test_resume_reproduces_uninterrupted_losses(tiny_target_dir, data_file, tmp_path, kind, loss, optim):
+    arm = [f"drafter.kind={kind}", f"loss.kind={loss}", f"optim.kind={optim}", "train.save_every=2"]
+    full = _cfg(tiny_target_dir, data_file, tmp_path / "full", *arm)
     train(full, progress=False)
     # a run killed right after its step-2 checkpoint: the same folder as it was at that moment
     part_dir = tmp_path / "part"
@@ -65,8 +66,7 @@ def test_resume_reproduces_uninterrupted_losses(tiny_target_dir, data_file, tmp_
     shutil.rmtree(part_dir / "checkpoints" / "step-000004")
     lines = (part_dir / "metrics.jsonl").read_text().splitlines()[:2]
     (part_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
-    resumed = _cfg(tiny_target_dir, data_file, part_dir, f"drafter.kind={kind}", f"loss.kind={loss}",
-                   "train.save_every=2")
+    resumed = _cfg(tiny_target_dir, data_file, part_dir, *arm)
     train(resumed, resume=True, progress=False)
     a, b = _losses(tmp_path / "full"), _losses(part_dir)
     assert len(a) == len(b) == 4

@@ -85,7 +85,10 @@ class DrafterConfig:
 
 @dataclass(frozen=True)
 class OptimConfig:
+    # adamw | muon: Muon on the drafter's hidden matrices, AdamW on the rest (vatspec/optim.py)
+    kind: Literal["adamw", "muon"] = "adamw"
     lr: float | None = None  # None = reference: 1e-4 (eagle3), 6e-4 (dflash)
+    muon_lr_scale: float = 1.0  # optim.kind=muon: the hidden matrices' lr is lr x this
     betas: tuple[float, float] = (0.9, 0.95)
     weight_decay: float = 0.0
     warmup_ratio: float | None = None  # None = reference: 0.015 (eagle3), 0.04 (dflash)
@@ -200,6 +203,7 @@ RANGES: dict[str, tuple] = {
     "drafter.num_anchors": _at_least(1),
     "drafter.mask_token_id": _at_least(0, optional=True),
     "optim.lr": (lambda v: v is None or 0 < v < math.inf, "> 0 (or null: the drafter's reference lr)"),
+    "optim.muon_lr_scale": (lambda v: 0 < v < math.inf, "> 0"),
     "optim.betas": (lambda v: all(0 <= b < 1 for b in v), "two numbers in [0, 1)"),
     "optim.weight_decay": _at_least(0),
     "optim.warmup_ratio": _within(0, 1, "[]", optional=True),
@@ -224,6 +228,9 @@ def check(cfg: Config) -> Config:
         value = getattr(getattr(cfg, section), name)
         if not ok(value):
             raise ConfigError(f"{key}: must be {want}, got {value!r}")
+    if cfg.optim.kind == "muon" and cfg.train.parallel == "fsdp":  # Newton-Schulz needs whole matrices
+        raise ConfigError("optim.kind=muon: not with train.parallel=fsdp (Muon orthogonalises whole matrices, "
+                          "FSDP shards them); use train.parallel=ddp")
     ids = cfg.drafter.target_layer_ids
     if ids is not None and (not ids or min(ids) < 0):
         raise ConfigError(f"drafter.target_layer_ids: must be a non-empty list of layer ids >= 0, got {list(ids)}")

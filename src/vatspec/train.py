@@ -40,6 +40,7 @@ from vatspec.drafters.base import AcceptHead
 from vatspec.features import CachedTarget
 from vatspec.losses import head_alive_logits, vat_objective
 from vatspec.metrics import MetricAccumulator, chain_metrics
+from vatspec.optim import build_optimizer
 from vatspec.outputs import OutputError, check_apart, check_folder, claim_folder, mark_folder, owner
 from vatspec.target import TargetOutput
 from vatspec.verify import simulate_verification
@@ -561,7 +562,7 @@ def _build_arm(cfg: Config, target, counts, total: int, world: int, device, init
     else:
         model = nn.parallel.DistributedDataParallel(module) if world > 1 else module
     params = [p for p in module.parameters() if p.requires_grad]  # fsdp: the sharded parameters
-    opt = torch.optim.AdamW(params, lr=optim_cfg.lr, betas=optim_cfg.betas, weight_decay=optim_cfg.weight_decay)
+    opt = build_optimizer(module, optim_cfg, cfg.train.precision)
     warmup = int(round(optim_cfg.warmup_ratio * total))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total, warmup, optim_cfg.min_lr_ratio))
     config_yaml = dump_config(replace(cfg, optim=optim_cfg))

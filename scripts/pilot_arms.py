@@ -7,11 +7,12 @@ sharing one target pass per batch; prints held-out tau_sim and per-step accuracy
         "ref=drafter.kind=eagle3 loss.kind=eagle3 optim.lr=1e-3 drafter.ttt_steps=7" \\
         "best=drafter.kind=eagle3 loss.kind=eagle3 optim.lr=3e-3 drafter.ttt_steps=3"
 
-The lever table in docs/results.md was measured this way (one torch thread). Writes OUT/<name>/ run
-folders, OUT/cmd.txt and OUT/summary.json.
+The lever table in docs/results.md was measured this way (one torch thread; ``PILOT_THREADS=N``
+for N). Writes OUT/<name>/ run folders, OUT/cmd.txt and OUT/summary.json.
 """
 
 import json
+import os
 import shlex
 import sys
 import time
@@ -27,7 +28,7 @@ from vatspec.train import CHAINS_KEY, train_arms
 def main() -> None:
     if len(sys.argv) < 6:
         raise SystemExit(__doc__)
-    torch.set_num_threads(1)
+    torch.set_num_threads(int(os.environ.get("PILOT_THREADS", "1")))
     out, steps, every = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     common = shlex.split(sys.argv[4])
     arms = [(name, shlex.split(ov)) for name, _, ov in (a.partition("=") for a in sys.argv[5:])]

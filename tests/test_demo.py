@@ -56,6 +56,10 @@ def test_quick_demo_writes_a_complete_report(tmp_path):
         cfg = (out / f"config-{n}.yaml").read_text()
         assert f"batch_size: {size.batch_of(kind)}\n" in cfg and f"steps: {size.steps_of(kind)}\n" in cfg, n
     assert size.batch_of("dflash") * size.steps_of("dflash") == size.batch_size * size.steps
+    # each kind's optimizer, the same for both arms of a pair
+    for n, kind in (("eagle3", "eagle3"), ("eagle3_vat", "eagle3"), ("dflash", "dflash"), ("dflash_vat", "dflash")):
+        cfg = (out / f"config-{n}.yaml").read_text()
+        assert f"kind: {size.optim}\n" in cfg and f"muon_lr_scale: {size.optim_of(kind)[1].split('=')[1]}" in cfg, n
     assert size.batch_of("dflash") < size.batch_size
     for vat, base in (("EAGLE-3 + VAT", "EAGLE-3"), ("DFlash + VAT", "DFlash")):
         paired = data["train_paired"][vat]

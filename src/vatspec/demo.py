@@ -46,11 +46,18 @@ class DemoSize:
     regen_tokens: int = 128  # max new tokens per regenerated response
     steps: int = 240  # optimizer steps of batch_size sequences (EAGLE-3; DFlash sees the same sequences)
     batch_size: int = 4
-    # DFlash trains on the same sequences in half the batch, twice the steps: held-out tau_sim 1.258 -> 1.286
-    # and 1.233 -> 1.287 (seeds 0 and 1, 400 -> 800 steps); EAGLE-3 was flat (docs/results.md: levers)
-    dflash_batch_size: int = 2
+    # DFlash's batch: under AdamW half the batch for twice the steps learned more from the same sequences (held-out
+    # tau_sim 1.258 -> 1.286 at 400 -> 800 steps); under Muon batch 4 learns as well as 2 (1.282 vs 1.286 at the
+    # same sequences) at half the optimizer steps, whose orthogonalisation is what costs (docs/results.md: levers)
+    dflash_batch_size: int = 4
     max_length: int = 192
     eagle3_lr: float = 3e-3  # short CPU run: 30x the reference 1e-4 (docs/results.md: levers; 1e-2 does not learn)
+    # optim.kind=muon: Muon on the hidden matrices at lr x the kind's scale, AdamW on lm_head and norms. Held-out
+    # tau_sim on the same sequences against AdamW: EAGLE-3 1.404 -> 1.475 (x3; x1 1.470, x10 1.450), DFlash 1.251 ->
+    # 1.298 (x10 at batch 4; x3 1.282, x3 at batch 2 1.286) (docs/results.md: levers)
+    optim: str = "muon"
+    eagle3_muon_lr_scale: float = 3.0  # 9e-3 for the hidden matrices
+    dflash_muon_lr_scale: float = 10.0  # 6e-3
     draft_vocab: int = 4096  # EAGLE-3 draft vocabulary (32000 in the reference; CPU-sized here)
     ttt_steps: int = 3  # EAGLE-3 k: 3 learns as well per step as 7 at 2.4x less cost (docs/results.md: levers)
     block_size: int = 4  # DFlash block (16 in the reference; 4 learns faster than 8 here, docs/results.md: levers)
@@ -65,6 +72,11 @@ class DemoSize:
     # train.precision: "auto" = bf16 autocast where the CPU multiplies bf16 natively (AVX512-BF16 / AMX:
     # 1.86x faster steps on the 2-core machine, drafts as good per step; docs/results.md), else fp32
     precision: str = "auto"
+
+    def optim_of(self, kind: str) -> list[str]:
+        """A drafter kind's optimizer overrides (``optim.kind``, Muon's lr scale)."""
+        scale = self.dflash_muon_lr_scale if kind == "dflash" else self.eagle3_muon_lr_scale
+        return [f"optim.kind={self.optim}", *([f"optim.muon_lr_scale={scale}"] * (self.optim == "muon"))]
 
     def batch_of(self, kind: str) -> int:
         """A drafter kind's batch size."""
@@ -184,7 +196,7 @@ def arm_configs(names: list[str], size: DemoSize, data_path: Path, runs_dir: Pat
         extra = (loss_overrides or {}).get(name, [f"drafter.kind={kind}", f"loss.kind={loss}"])
         kind = next(e.split("=", 1)[1] for e in extra if e.startswith("drafter.kind="))
         sized = [f"data.batch_size={size.batch_of(kind)}", f"train.steps={size.steps_of(kind)}",
-                 f"train.eval_every={size.eval_every_of(kind)}"]
+                 f"train.eval_every={size.eval_every_of(kind)}", *size.optim_of(kind)]
         if kind == "eagle3":  # the demo's lr first, so an explicit one wins
             sized.append(f"optim.lr={size.eagle3_lr}")
         cfgs.append(load_config(None, [*common, *sized, *extra, f"train.out_dir={runs_dir / _slug(name)}"]))
@@ -326,8 +338,9 @@ def redecode_demo(out: Path, *, threads: int | None = None, progress: bool = Tru
     record = out / "demo.json"
     try:
         old = json.loads(record.read_text())
-        # a record from before dflash_batch_size trained DFlash at the EAGLE-3 batch
-        size = DemoSize(**{"dflash_batch_size": old["size"]["batch_size"], **old["size"],
+        # a record from before dflash_batch_size trained DFlash at the EAGLE-3 batch, one from before
+        # the optimizer fields with AdamW
+        size = DemoSize(**{"dflash_batch_size": old["size"]["batch_size"], "optim": "adamw", **old["size"],
                            "benches": tuple(old["size"]["benches"])})
         trained = {k: old[k] for k in ("regeneration", "features", "train_final", "train_paired")}
         spent = old["timings_s"]
@@ -496,7 +509,7 @@ def _report_md(summary: dict, results: dict, eval_paths: dict, size: DemoSize, p
         f"{size.prompts} training conversations answered by the target ({size.regen_tokens} new tokens at most), "
         f"{size.steps} optimizer steps of {size.batch_size} sequences for EAGLE-3 and the same sequences in "
         f"{size.steps_of('dflash')} steps of {size.dflash_batch_size} for DFlash (max {size.max_length} tokens, "
-        f"{'bf16 autocast' if size.precision == 'bf16' else 'float32'}), "
+        f"{'bf16 autocast' if size.precision == 'bf16' else 'float32'}, optimizer {size.optim}), "
         f"{size.eval_prompts} prompt(s) per benchmark. The paper trains on Perfectblend prompts with greedy target "
         "responses for 3 epochs (hundreds of thousands of samples) for Qwen3-4B/8B and LLaMA-3.1-8B targets and "
         "evaluates on eight benchmarks on A100 GPUs. Figures here are measured, not extrapolated. With a few prompts "

@@ -3,6 +3,7 @@ import json
 import pytest
 import torch
 
+import vatspec.target as target_mod
 from tests.conftest import tiny_llama
 from vatspec.target import (
     DEFAULT_WHEEL,
@@ -184,7 +185,9 @@ def test_conversion_matches_gguf_greedy(default_target_path):
 
 @pytest.mark.parametrize("shape", [(1, 24), (2, 24), (1, 7, 24), (8, 24), (SKINNY_ROWS + 1, 24)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_skinny_linear_equals_f_linear_with_grad(shape, bias):
+@pytest.mark.parametrize("kernel", ["matmul", "auto"])
+def test_skinny_linear_equals_f_linear_with_grad(shape, bias, kernel, monkeypatch):
+    monkeypatch.setattr(target_mod, "FEW_ROW_KERNEL", kernel)
     g = torch.Generator().manual_seed(0)
     w = torch.randn(300, 24, generator=g)
     b = torch.randn(300, generator=g) if bias else None
@@ -241,3 +244,28 @@ def test_heads_only_target_reads_just_the_embedding_and_lm_head(tmp_path):
         real = {n for n, p in ho.model.named_parameters() if p.device.type != "meta"}
         assert real <= {"model.embed_tokens.weight", "lm_head.weight"}
         assert weights_sha256(ho) == weights_sha256(full)
+
+
+@pytest.mark.parametrize("matmul_wins", [True, False])
+def test_auto_kernel_keeps_the_faster_one_per_shape_and_rows(matmul_wins, monkeypatch):
+    # a scripted clock: the matmul kernel takes 1 s or 3 s, F.linear 2 s
+    calls = []
+
+    def seconds(fn):
+        calls.append(fn)
+        return (1.0 if matmul_wins else 3.0) if len(calls) % 2 else 2.0
+
+    monkeypatch.setattr(target_mod, "_best_seconds", seconds)
+    monkeypatch.setattr(target_mod, "_FASTER", {})
+    monkeypatch.setattr(target_mod, "FEW_ROW_KERNEL", "auto")
+    used = []
+    real = target_mod._matmul_linear
+    monkeypatch.setattr(target_mod, "_matmul_linear", lambda x2, w: used.append(x2.shape[0]) or real(x2, w))
+    w, x = torch.randn(40, 8), torch.randn(3, 8)
+    for _ in range(3):
+        torch.testing.assert_close(skinny_linear(x, w, None), torch.nn.functional.linear(x, w))
+    assert len(calls) == 2  # timed once for this shape and row count, then remembered
+    assert list(target_mod._FASTER.values()) == [matmul_wins]
+    assert len(used) == (3 if matmul_wins else 0)
+    skinny_linear(torch.randn(5, 8), w, None)  # another row count: timed on its own
+    assert len(calls) == 4

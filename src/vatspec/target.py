@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import json
+import math
 import os
 import shutil
 import time
@@ -320,25 +321,62 @@ class Target:
         return lg
 
 
-SKINNY_ROWS = 16  # up to this many rows, a CPU lm_head runs as weight @ x.T (see skinny_linear)
+SKINNY_ROWS = 16  # up to this many rows, a CPU linear may run as weight @ x.T (see skinny_linear)
+# which few-row kernel skinny_linear runs: "auto" (the faster one, measured once per shape and row count on
+# this machine), "matmul" (always weight @ x.T) or "linear" (always F.linear); benchmarks set it
+FEW_ROW_KERNEL = "auto"
+_FASTER: dict[tuple, bool] = {}  # (out, in, rows, dtype, threads) -> weight @ x.T beat F.linear here
+_TIMING_REPS = 5  # best of 5 after a warm-up: enough to separate kernels that differ by > 10%
+
+
+def _matmul_linear(x2: Tensor, weight: Tensor) -> Tensor:
+    """``F.linear(x2, weight)`` for a ``[rows, in]`` x2 as ``weight @ x2.T`` (one row padded to two)."""
+    rows = x2.shape[0]
+    if rows == 1:  # a 1-column product falls back to the GEMV; pad to 2 columns
+        x2 = torch.cat([x2, x2.new_zeros(1, x2.shape[1])])
+    return (weight @ x2.T).T[:rows].contiguous()
+
+
+def _best_seconds(fn) -> float:
+    fn()
+    best = math.inf
+    for _ in range(_TIMING_REPS):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _matmul_faster(weight: Tensor, rows: int) -> bool:
+    """Whether ``weight @ x.T`` beats ``F.linear`` for ``rows`` rows of this weight's shape on this CPU,
+    timed once per shape, row count, dtype and thread count (random inputs, no grad)."""
+    key = (*weight.shape, rows, weight.dtype, torch.get_num_threads())
+    if key not in _FASTER:
+        with torch.no_grad():
+            w = weight.detach()
+            x = torch.randn(rows, w.shape[1], dtype=w.dtype)
+            _FASTER[key] = _best_seconds(lambda: _matmul_linear(x, w)) < _best_seconds(lambda: F.linear(x, w))
+    return _FASTER[key]
 
 
 def skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """``F.linear(x, weight, bias)``, with a faster kernel for the few rows of a decode step on CPU.
+    """``F.linear(x, weight, bias)``, with the faster kernel for the few rows of a decode step on CPU.
 
-    With few rows and a wide output (the lm_head: [V, H] = [49152, 576] on SmolLM2), ``F.linear``
-    runs a GEMV (1 row) or a small-M GEMM that this CPU does not spread over its cores; the same
-    product as ``weight @ x.T`` streams the weight once over both cores. Measured on the 2-core
-    machine (``scripts/bench_target_step.py``): 1 row 10.7 -> 4.0 ms (padded to 2 rows), 8 rows
-    16.8 -> 8.3 ms; 7 rows (a DFlash block) 36 -> 9 ms. Same values up to float rounding (~1e-6).
+    With few rows, ``F.linear`` runs a GEMV (1 row) or a small-M GEMM, and which of it and the same
+    product as ``weight @ x.T`` is faster depends on the CPU: on the AMD EPYC (Zen 4) machine the
+    matmul streams the weight once over both cores (lm_head [49152, 576]: 1 row 10.7 -> 4.0 ms, 8 rows
+    16.8 -> 8.3 ms), on an Intel Xeon (2.0 GHz, AMX) ``F.linear`` is faster up to ~8 rows (1 row 9.4
+    against 20.3 ms) and the matmul past that (``scripts/bench_target_step.py``). So ``FEW_ROW_KERNEL
+    = "auto"`` times both once per weight shape and row count and keeps the faster. Same values up to
+    float rounding (~1e-6).
     """
     rows = x.numel() // x.shape[-1]
-    if x.device.type != "cpu" or rows > SKINNY_ROWS or x.dtype != weight.dtype or not x.is_floating_point():
+    if (FEW_ROW_KERNEL == "linear" or x.device.type != "cpu" or rows > SKINNY_ROWS or x.dtype != weight.dtype
+            or not x.is_floating_point()):
         return F.linear(x, weight, bias)
-    x2 = x.reshape(rows, x.shape[-1])
-    if rows == 1:  # a 1-column product falls back to the GEMV; pad to 2 columns
-        x2 = torch.cat([x2, x2.new_zeros(1, x2.shape[1])])
-    out = (weight @ x2.T).T[:rows].contiguous()
+    if FEW_ROW_KERNEL == "auto" and not _matmul_faster(weight, rows):
+        return F.linear(x, weight, bias)
+    out = _matmul_linear(x.reshape(rows, x.shape[-1]), weight)
     if bias is not None:
         out = out + bias
     return out.reshape(*x.shape[:-1], weight.shape[0])

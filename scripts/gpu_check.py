@@ -7,7 +7,7 @@ For each target built in code with random weights (a Llama-3-8B-shaped one, voca
 Qwen3-8B-shaped one, vocab 151936; bf16 on the GPU), it trains EAGLE-3 and DFlash, each with its
 baseline loss and with VAT, for ``--steps`` steps through the training step the trainer runs
 (``vatspec.train.arm_step`` after one shared target pass), with bf16 autocast and float32 weights
-and optimizer state (``train.precision=bf16``). Per arm it prints step time, tokens/s and peak GPU memory, and the VAT /
+and optimizer state (``train.precision=bf16``) and the demo's optimizer (``--optim muon``). Per arm it prints step time, tokens/s and peak GPU memory, and the VAT /
 baseline step-time ratio per drafter. Then it decodes a few random prompts greedily with each
 trained draft and checks the output equals Hugging Face ``generate`` on the same target. One JSON
 holds everything.
@@ -25,10 +25,11 @@ from pathlib import Path
 
 import torch
 
-from vatspec.config import load_config
+from vatspec.config import OptimConfig, load_config
 from vatspec.data.batching import Batch
 from vatspec.decode import generate
 from vatspec.drafters import build_drafter, plan_batch
+from vatspec.optim import build_optimizer
 from vatspec.target import Target
 from vatspec.train import TrainModule, arm_step, precision_context, shared_target_pass, step_generator
 
@@ -86,7 +87,7 @@ def train_arm(target: Target, kind: str, loss: str, args, device: torch.device) 
 
         head = AcceptHead(drafter.hidden_size).to(device)
     module = TrainModule(drafter, head).train()
-    opt = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=1e-4)
+    opt = build_optimizer(module, OptimConfig(kind=args.optim, lr=1e-4), args.precision)
     B, T = args.batch_size, args.seq_len
     g = torch.Generator().manual_seed(0)
     autocast = precision_context(device, args.precision)  # what train.precision=bf16 runs
@@ -149,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--precision", choices=["bf16", "fp32"], default=None, help="default: bf16 on a GPU")
+    p.add_argument("--optim", choices=["adamw", "muon"], default="muon", help="optim.kind (default: the demo's)")
     p.add_argument("--decode-prompts", type=int, default=3)
     p.add_argument("--decode-tokens", type=int, default=48)
     args = p.parse_args(argv)
@@ -157,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.small:
         args.seq_len = min(args.seq_len, 96)
     report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
-              "torch": torch.__version__, "precision": args.precision, "small": args.small, "targets": {}}
+              "torch": torch.__version__, "precision": args.precision, "optim": args.optim, "small": args.small,
+              "targets": {}}
     t_start = time.perf_counter()
     for name in args.targets.split(","):
         target_dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32

@@ -7,10 +7,10 @@ For each target built in code with random weights (a Llama-3-8B-shaped one, voca
 Qwen3-8B-shaped one, vocab 151936; bf16 on the GPU), it trains EAGLE-3 and DFlash, each with its
 baseline loss and with VAT, for ``--steps`` steps through the training step the trainer runs
 (``vatspec.train.arm_step`` after one shared target pass), with bf16 autocast and float32 weights
-and optimizer state (``train.precision=bf16``) and the demo's optimizer (``--optim muon``). Per arm it prints step time, tokens/s and peak GPU memory, and the VAT /
-baseline step-time ratio per drafter. Then it decodes a few random prompts greedily with each
-trained draft and checks the output equals Hugging Face ``generate`` on the same target. One JSON
-holds everything.
+and optimizer state (``train.precision=bf16``) and the demo's optimizer (``--optim muon``). Per arm
+it prints step time, tokens/s and peak GPU memory, and the VAT / baseline step-time ratio per drafter.
+Then it decodes a few random prompts greedily with each trained draft and checks the output equals
+Hugging Face ``generate`` on the same target. One JSON holds everything.
 """
 
 from __future__ import annotations

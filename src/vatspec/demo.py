@@ -37,8 +37,9 @@ BENCHES = {"gsm8k": "math", "humaneval": "code", "mt_bench": "chat", "alpaca": "
 
 @dataclass(frozen=True)
 class DemoSize:
-    """How big a demo run is. ``default``: 13.1 min on 2 CPU cores from an empty cache (run 13; 20 is the
-    budget), 8.4 with the data and feature caches warm (run 11, docs/results.md); ``quick`` ~3."""
+    """How big a demo run is. ``default``: 24.4 min on 2 cores of an Intel Xeon from an empty cache (run 15;
+    20 is the budget), 16.0 with the data and feature caches warm (run 14); on the AMD EPYC of runs 1-13
+    ~17 estimated (docs/results.md); ``quick`` ~3."""
 
     # 256 conversations: held-out EAGLE-3 tau_sim 1.335 at 120 steps against 1.215 with 128 x 48 (run 9);
     # bf16 steps cost 1/1.86 of fp32 ones, and the time saved buys 240 steps: 1.413 (run 11)

@@ -1,8 +1,9 @@
 """The drafter's optimizer (``optim.kind``): AdamW, or Muon on the hidden matrices with AdamW on the rest.
 
-Muon (Jordan et al., 2024) replaces each hidden matrix's momentum by its nearest semi-orthogonal
-matrix before the step, so every direction of the update moves at the same rate; vectors (norms),
-the lm_head and the accept head keep AdamW, as Muon's authors do with embeddings and output heads.
+Muon replaces each hidden matrix's momentum by (approximately) its nearest semi-orthogonal matrix
+before the step, so every direction of the update moves at about the same rate; vectors (norms),
+the lm_head and the accept head keep AdamW, as Muon is usually run (embeddings and output heads on
+AdamW).
 Its update is scaled by ``0.2 * sqrt(max(rows, cols))`` so that its RMS matches a typical AdamW
 update's (the ``match_rms_adamw`` rule of ``torch.optim.Muon``), which lets one lr serve both kinds
 of parameter; ``optim.muon_lr_scale`` multiplies it for the Muon group. What it bought on the
@@ -28,7 +29,7 @@ HIDDEN_MATRIX = re.compile(r"(^|\.)(self_attn|mlp)\.\w+_proj\.weight$|(^|\.)fc\.
 
 def orthogonalize(g: Tensor, steps: int = NS_STEPS, dtype: torch.dtype = torch.float32) -> Tensor:
     """Muon's approximate orthogonalisation of a ``[m, n]`` matrix: ``U V^T`` of its SVD, with singular
-    values brought into roughly [0.7, 1.2] by ``steps`` quintic Newton-Schulz iterations, computed in
+    values brought near 1 (within about [0.5, 1.3]) by ``steps`` quintic Newton-Schulz iterations, computed in
     ``dtype`` (bfloat16 halves its cost where the hardware multiplies it natively)."""
     assert g.dim() == 2, f"orthogonalize expects a matrix, got shape {tuple(g.shape)}"
     a, b, c = NS_COEFFICIENTS

@@ -72,7 +72,8 @@ class MuonAdamW(torch.optim.Optimizer):
                 if p.grad is None:
                     continue
                 st = self.state[p]
-                p.mul_(1 - lr * wd)
+                if wd:
+                    p.mul_(1 - lr * wd)
                 if g["muon"]:
                     m = g["momentum"]
                     buf = st.setdefault("momentum_buffer", torch.zeros_like(p))
@@ -80,12 +81,11 @@ class MuonAdamW(torch.optim.Optimizer):
                     update = orthogonalize(p.grad.lerp(buf, m), g["ns_steps"], self.ns_dtype).to(p.dtype)
                     p.add_(update, alpha=-lr * 0.2 * math.sqrt(max(p.shape)))
                     continue
-                if not st:
-                    st["step"] = torch.zeros(())
-                    st["exp_avg"], st["exp_avg_sq"] = torch.zeros_like(p), torch.zeros_like(p)
+                if not st:  # the step count a plain int: no device sync per parameter on a GPU
+                    st["step"], st["exp_avg"], st["exp_avg_sq"] = 0, torch.zeros_like(p), torch.zeros_like(p)
                 b1, b2 = g["betas"]
                 st["step"] += 1
-                t = int(st["step"])
+                t = st["step"]
                 st["exp_avg"].lerp_(p.grad, 1 - b1)
                 st["exp_avg_sq"].mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
                 denom = (st["exp_avg_sq"] / (1 - b2**t)).sqrt_().add_(g["eps"])

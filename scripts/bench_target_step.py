@@ -61,5 +61,6 @@ def main() -> None:
         cells = " ".join(f"{t[k][0]:9.1f} + {t[k][1]:8.1f}" for k in kernels)
         print(f"{q:>2} {cells}   " + ", ".join(f"{sum(t[k]) / base[k]:.2f}" for k in kernels))
 
+
 if __name__ == "__main__":
     main()

@@ -1,5 +1,6 @@
 """optim.py: Muon's orthogonalisation, MuonAdamW against torch's own AdamW and Muon, the groups
-``build_optimizer`` makes of a drafter, and a Muon run that resumes exactly."""
+``build_optimizer`` makes of a drafter, the config checks (a Muon run's exact resume is in
+tests/test_train.py)."""
 
 import pytest
 import torch

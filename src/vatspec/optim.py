@@ -103,8 +103,9 @@ def build_optimizer(module: nn.Module, optim_cfg, precision: str = "fp32") -> to
         return torch.optim.AdamW([p for _, p in named], **kw)
     if optim_cfg.kind != "muon":
         raise ValueError(f"optim.kind={optim_cfg.kind!r} is not one of {KINDS}")
-    hidden = [p for n, p in named if HIDDEN_MATRIX.search(n) and p.dim() == 2]
-    rest = [p for n, p in named if not (HIDDEN_MATRIX.search(n) and p.dim() == 2)]
+    is_hidden = {n: bool(HIDDEN_MATRIX.search(n)) and p.dim() == 2 for n, p in named}
+    hidden = [p for n, p in named if is_hidden[n]]
+    rest = [p for n, p in named if not is_hidden[n]]
     if not hidden:
         raise ValueError("optim.kind=muon: the drafter has no hidden matrices (attention / MLP projections, fc)")
     groups = [{"params": hidden, "muon": True, "lr": optim_cfg.lr * optim_cfg.muon_lr_scale}, {"params": rest}]

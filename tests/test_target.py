@@ -269,3 +269,20 @@ def test_auto_kernel_keeps_the_faster_one_per_shape_and_rows(matmul_wins, monkey
     assert len(used) == (3 if matmul_wins else 0)
     skinny_linear(torch.randn(5, 8), w, None)  # another row count: timed on its own
     assert len(calls) == 4
+
+
+def test_auto_kernel_times_each_kernel_over_weights_out_of_cache(monkeypatch):
+    # each timing cycles through copies of the weight, _STREAM_BYTES in all, the weight itself first
+    monkeypatch.setattr(target_mod, "_FASTER", {})
+    monkeypatch.setattr(target_mod, "_STREAM_BYTES", 3 * 40 * 8 * 4)  # three float32 [40, 8] weights
+    monkeypatch.setattr(target_mod, "_TIMING_REPS", 1)
+    seen = {"linear": [], "matmul": []}
+    real_linear, real_matmul = torch.nn.functional.linear, target_mod._matmul_linear
+    monkeypatch.setattr(target_mod.F, "linear", lambda x, w, *b: seen["linear"].append(w) or real_linear(x, w, *b))
+    monkeypatch.setattr(target_mod, "_matmul_linear", lambda x2, w: seen["matmul"].append(w) or real_matmul(x2, w))
+    w = torch.randn(40, 8)
+    target_mod._matmul_faster(w, 2)
+    for kind, weights in seen.items():
+        assert len(weights) == 2 * 3, kind  # a warm-up and one timed pass, each over three weights
+        assert weights[0].data_ptr() == w.data_ptr() and len({c.data_ptr() for c in weights}) == 3
+        assert all(torch.equal(c, w) for c in weights)

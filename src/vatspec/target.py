@@ -327,6 +327,10 @@ SKINNY_ROWS = 16  # up to this many rows, a CPU linear may run as weight @ x.T (
 FEW_ROW_KERNEL = "auto"
 _FASTER: dict[tuple, bool] = {}  # (out, in, rows, dtype, threads) -> weight @ x.T beat F.linear here
 _TIMING_REPS = 5  # best of 5 after a warm-up: enough to separate kernels that differ by > 10%
+# bytes of weight copies one timing cycles through, so the weight streams from memory as in a model pass
+# (the layers' weights together exceed the CPU's caches): a weight timed hot in cache can pick the other
+# kernel (EPYC, [576, 576], 1 row: F.linear 31 against 51 us hot, 113 against 75 us cold)
+_STREAM_BYTES = 256 * 2**20
 
 
 def _matmul_linear(x2: Tensor, weight: Tensor) -> Tensor:
@@ -349,13 +353,16 @@ def _best_seconds(fn) -> float:
 
 def _matmul_faster(weight: Tensor, rows: int) -> bool:
     """Whether ``weight @ x.T`` beats ``F.linear`` for ``rows`` rows of this weight's shape on this CPU,
-    timed once per shape, row count, dtype and thread count (random inputs, no grad)."""
+    timed once per shape, row count, dtype and thread count (random inputs, no grad), each kernel over
+    the same cycle of weight copies (``_STREAM_BYTES`` in all) so that neither finds the weight in cache."""
     key = (*weight.shape, rows, weight.dtype, torch.get_num_threads())
     if key not in _FASTER:
         with torch.no_grad():
             w = weight.detach()
+            copies = [w] + [w.clone() for _ in range(math.ceil(_STREAM_BYTES / (w.numel() * w.element_size())) - 1)]
             x = torch.randn(rows, w.shape[1], dtype=w.dtype)
-            _FASTER[key] = _best_seconds(lambda: _matmul_linear(x, w)) < _best_seconds(lambda: F.linear(x, w))
+            matmul = _best_seconds(lambda: [_matmul_linear(x, c) for c in copies])
+            _FASTER[key] = matmul < _best_seconds(lambda: [F.linear(x, c) for c in copies])
     return _FASTER[key]
 
 
@@ -367,8 +374,8 @@ def skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     matmul streams the weight once over both cores (lm_head [49152, 576]: 1 row 10.7 -> 4.0 ms, 8 rows
     16.8 -> 8.3 ms), on an Intel Xeon (2.0 GHz, AMX) ``F.linear`` is faster up to ~8 rows (1 row 9.4
     against 20.3 ms) and the matmul past that (``scripts/bench_target_step.py``). So ``FEW_ROW_KERNEL
-    = "auto"`` times both once per weight shape and row count and keeps the faster. Same values up to
-    float rounding (~1e-6).
+    = "auto"`` times both once per weight shape and row count, with the weight out of cache as in a
+    model pass, and keeps the faster. Same values up to float rounding (~1e-6).
     """
     rows = x.numel() // x.shape[-1]
     if (FEW_ROW_KERNEL == "linear" or x.device.type != "cpu" or rows > SKINNY_ROWS or x.dtype != weight.dtype

@@ -21,12 +21,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="the ~3-minute smoke size (CI runs it)")
     size.add_argument("--full", action="store_true",
-                      help="the long recipe: 512 conversations, 400 steps of 4 sequences (DFlash: 800 of 2), "
-                           "5 seeds per arm (<= 2 h on 2 cores)")
+                      help="the long recipe: 512 conversations, 400 steps of 4 sequences, 5 seeds per arm "
+                           "(<= 2 h on 2 cores)")
     parser.add_argument("--out", default="reports/demo", help="report folder (default: reports/demo)")
     parser.add_argument("--steps", type=int_arg(1),
-                        help="override the number of training steps (EAGLE-3's, at its batch of 4; DFlash trains on "
-                             "the same sequences in batches of 2, twice the steps)")
+                        help="override the number of training steps (at a batch of 4; a drafter kind trained at "
+                             "another batch sees the same sequences)")
     parser.add_argument("--prompts", type=int_arg(2), help="override the number of training conversations")
     parser.add_argument("--eval-prompts", type=int_arg(1), help="override prompts per benchmark")
     parser.add_argument("--seeds", type=int_arg(1), help="override the number of training seeds per arm")

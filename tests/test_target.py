@@ -286,3 +286,7 @@ def test_auto_kernel_times_each_kernel_over_weights_out_of_cache(monkeypatch):
         assert len(weights) == 2 * 3, kind  # a warm-up and one timed pass, each over three weights
         assert weights[0].data_ptr() == w.data_ptr() and len({c.data_ptr() for c in weights}) == 3
         assert all(torch.equal(c, w) for c in weights)
+    monkeypatch.setattr(target_mod, "_MAX_COPIES", 2)  # a tiny weight: the cycle stops at _MAX_COPIES
+    seen["linear"].clear()
+    target_mod._matmul_faster(w, 3)
+    assert len(seen["linear"]) == 2 * 2

@@ -331,6 +331,7 @@ _TIMING_REPS = 5  # best of 5 after a warm-up: enough to separate kernels that d
 # (the layers' weights together exceed the CPU's caches): a weight timed hot in cache can pick the other
 # kernel (EPYC, [576, 576], 1 row: F.linear 31 against 51 us hot, 113 against 75 us cold)
 _STREAM_BYTES = 256 * 2**20
+_MAX_COPIES = 256  # SmolLM2's smallest weight needs 203; a test model's tiny ones would need ~10^5
 
 
 def _matmul_linear(x2: Tensor, weight: Tensor) -> Tensor:
@@ -354,12 +355,14 @@ def _best_seconds(fn) -> float:
 def _matmul_faster(weight: Tensor, rows: int) -> bool:
     """Whether ``weight @ x.T`` beats ``F.linear`` for ``rows`` rows of this weight's shape on this CPU,
     timed once per shape, row count, dtype and thread count (random inputs, no grad), each kernel over
-    the same cycle of weight copies (``_STREAM_BYTES`` in all) so that neither finds the weight in cache."""
+    the same cycle of weight copies (``_STREAM_BYTES`` in all, ``_MAX_COPIES`` at most) so that
+    neither finds the weight in cache."""
     key = (*weight.shape, rows, weight.dtype, torch.get_num_threads())
     if key not in _FASTER:
         with torch.no_grad():
             w = weight.detach()
-            copies = [w] + [w.clone() for _ in range(math.ceil(_STREAM_BYTES / (w.numel() * w.element_size())) - 1)]
+            n = min(_MAX_COPIES, math.ceil(_STREAM_BYTES / (w.numel() * w.element_size())))
+            copies = [w] + [w.clone() for _ in range(n - 1)]
             x = torch.randn(rows, w.shape[1], dtype=w.dtype)
             matmul = _best_seconds(lambda: [_matmul_linear(x, c) for c in copies])
             _FASTER[key] = matmul < _best_seconds(lambda: [F.linear(x, c) for c in copies])

@@ -158,6 +158,49 @@ def test_lockstep_arms_equal_separate_runs(tiny_target_dir, data_file, tmp_path)
                    for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines())
 
 
+@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+def test_loss_on_all_trains_every_position_and_scores_the_answers(tiny_target_dir, data_file, tmp_path, monkeypatch,
+                                                                   kind):
+    """data.loss_on=all: training batches supervise every real position after the first; the held-out split is
+    still scored on the answer tokens, and the draft vocabulary is still counted on them."""
+    import vatspec.train as T
+
+    seen: dict[str, list] = {"train": [], "held": []}
+    step, evaluate = T.arm_step, T.evaluate_arms
+
+    def spy_step(model, drafter, batch, *a, **kw):
+        if model.training:
+            seen["train"].append((batch.loss_mask.clone(), batch.attention_mask.clone()))
+        return step(model, drafter, batch, *a, **kw)
+
+    def spy_evaluate(arms, target, examples, *a, **kw):
+        seen["held"].append([list(e.loss_mask) for e in examples])
+        return evaluate(arms, target, examples, *a, **kw)
+
+    monkeypatch.setattr(T, "arm_step", spy_step)
+    monkeypatch.setattr(T, "evaluate_arms", spy_evaluate)
+    arm = [f"drafter.kind={kind}", "loss.kind=vat"]
+    train(_cfg(tiny_target_dir, data_file, tmp_path / "answers", *arm), progress=False)
+    answers = dict(seen)
+    seen.update(train=[], held=[])
+    train(_cfg(tiny_target_dir, data_file, tmp_path / "all", *arm, "data.loss_on=all"), progress=False)
+    for mask, attn in seen["train"]:
+        expect = attn.bool().clone()
+        expect[:, 0] = False  # nothing predicts the first token
+        assert torch.equal(mask, expect)
+    for mask, attn in answers["train"]:  # the default supervises the answers only: a strict subset
+        assert mask.sum() < (attn.sum() - attn.shape[0])
+    assert seen["held"] == answers["held"] and any(not all(m[1:]) for m in seen["held"][0])
+    if kind == "eagle3":
+        from safetensors.torch import load_file
+
+        def d2t(run: str):
+            ck = tmp_path / run / "checkpoints" / (tmp_path / run / "latest").read_text().strip()
+            return load_file(ck / "drafter.safetensors")["d2t"]
+
+        assert torch.equal(d2t("answers"), d2t("all"))
+
+
 OBJECTIVES = ("kl", "tv", "lk", "dpace", "specauf", "dspark")
 
 

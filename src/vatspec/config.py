@@ -58,6 +58,11 @@ class DataConfig:
     max_length: int = 2048
     batch_size: int = 1
     skip_bad: bool = False  # skip malformed records (counted) instead of failing
+    # which positions of a training sequence supervise the drafter: "assistant" (the reference trainers': the
+    # answer tokens) or "all" (every position after the first, prompt and template too: the labels are the
+    # target's own prediction there, so each sequence's forward pass trains on all of it). The held-out split
+    # is always scored on the answer tokens, and the draft vocabulary is counted on them.
+    loss_on: Literal["assistant", "all"] = "assistant"
 
 
 @dataclass(frozen=True)

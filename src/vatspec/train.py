@@ -386,7 +386,9 @@ def train_arms(cfgs: list[Config], *, resume: bool = False, init_from: str | Non
     held_ex = _tokenize(held_items, tok, dcfg.max_length, held_src, held_cache, stats["heldout"])
     if not train_ex:
         raise TrainError(f"{train_src}: no conversation has a supervised (assistant) token")
-    counts = D.token_counts(train_ex, target.vocab_size)
+    counts = D.token_counts(train_ex, target.vocab_size)  # the draft vocabulary: from the answer tokens
+    if dcfg.loss_on == "all":
+        train_ex = [ex.supervise_all() for ex in train_ex]
     if world > 1:  # each rank its own equal share, same seeded order: every rank takes the same steps
         share = len(train_ex) // world
         if share < base.data.batch_size:

@@ -34,6 +34,10 @@ class Example:
     def __len__(self) -> int:
         return len(self.input_ids)
 
+    def supervise_all(self) -> Example:
+        """The same tokens with every position after the first supervised (``data.loss_on=all``)."""
+        return Example(self.input_ids, [False] + [True] * (len(self) - 1), self.id)
+
 
 def tokenize_conversation(conv: Conversation, tokenizer, max_length: int | None = None) -> Example:
     """Render ``conv`` with the tokenizer's chat template; mask in the assistant tokens only.

@@ -13,11 +13,14 @@ on a CPU with AVX512-BF16 that is ~2.2x faster per product than float32.
 ``--compare optimizer``: AdamW vs Muon on the hidden matrices (``optim.kind``), both bf16 with the
 shared teacher: what Muon's orthogonalisation adds to a step.
 
+``--compare loss_on``: the answer tokens supervised vs every position (``data.loss_on``), both bf16
+with Muon and the shared teacher: what the extra supervised positions cost.
+
 Both modes train their own copy of the same arms from the demo's feature cache, alternating (the
 order flips every step), and the script prints the median seconds of one step of the four arms
 and the ratio.
 
-    .venv/bin/python scripts/bench_demo_step.py [--compare teacher|precision] [--threads 2] [--steps 8]
+    .venv/bin/python scripts/bench_demo_step.py [--compare MODE] [--threads 2] [--steps 8]
 
 Needs the demo's feature cache (``vatspec demo`` makes it).
 """
@@ -50,10 +53,11 @@ from vatspec.train import (
     step_generator,
 )
 
-MODES = {  # --compare -> {mode: (shared teacher, precision, optimizer)}
-    "teacher": {"alone": (False, "fp32", "adamw"), "shared": (True, "fp32", "adamw")},
-    "precision": {"fp32": (True, "fp32", "adamw"), "bf16": (True, "bf16", "adamw")},
-    "optimizer": {"adamw": (True, "bf16", "adamw"), "muon": (True, "bf16", "muon")},
+MODES = {  # --compare -> {mode: (shared teacher, precision, optimizer, loss_on)}
+    "teacher": {"alone": (False, "fp32", "adamw", "assistant"), "shared": (True, "fp32", "adamw", "assistant")},
+    "precision": {"fp32": (True, "fp32", "adamw", "assistant"), "bf16": (True, "bf16", "adamw", "assistant")},
+    "optimizer": {"adamw": (True, "bf16", "adamw", "assistant"), "muon": (True, "bf16", "muon", "assistant")},
+    "loss_on": {"assistant": (True, "bf16", "muon", "assistant"), "all": (True, "bf16", "muon", "all")},
 }
 
 
@@ -80,16 +84,21 @@ def main() -> None:
     arms = {m: [_build_arm(c, target, counts, 100, 1, target.device, None)
                 for c in arm_configs(list(ARMS), dataclasses.replace(size, optim=optim, precision=precision), data,
                                      runs)]
-            for m, (_, precision, optim) in modes.items()}
+            for m, (_, precision, optim, _) in modes.items()}
     first, second = arms.values()  # the same start in each mode (the arm's seed), on the one target
     assert all(torch.equal(p, q) for a, b in zip(first, second)
                for p, q in zip(a.model.parameters(), b.model.parameters()))
     batches = BatchIterator(examples, size.batch_size, _pad_id(target), seed=0)
     times: dict[str, list[float]] = {m: [] for m in modes}
     for step in range(1 + args.steps):  # step 0 warms up
-        batch = next(batches)
+        answers = next(batches)
         for mode in (list(modes) if step % 2 == 0 else list(modes)[::-1]):
-            shared_teacher, precision, _ = modes[mode]
+            shared_teacher, precision, _, loss_on = modes[mode]
+            batch = answers
+            if loss_on == "all":  # Example.supervise_all on every row: each real position after the first
+                mask = answers.attention_mask.bool()
+                mask[:, 0] = False
+                batch = D.Batch(answers.input_ids, answers.attention_mask, mask)
             gens = [step_generator(0, step, 0, 0) for _ in arms[mode]]
             t0 = time.perf_counter()
             plans = [plan_batch(a.drafter, batch, a.cfg.drafter, g, with_logits=not a.loss_cfg.chunk_size)

@@ -60,6 +60,7 @@ def test_quick_demo_writes_a_complete_report(tmp_path):
     for n, kind in (("eagle3", "eagle3"), ("eagle3_vat", "eagle3"), ("dflash", "dflash"), ("dflash_vat", "dflash")):
         cfg = (out / f"config-{n}.yaml").read_text()
         assert f"kind: {size.optim}\n" in cfg and f"muon_lr_scale: {size.optim_of(kind)[1].split('=')[1]}" in cfg, n
+        assert f"loss_on: {size.loss_on}\n" in cfg, n  # every arm supervised on the same positions
     assert size.batch_of("dflash") < size.batch_size
     for vat, base in (("EAGLE-3 + VAT", "EAGLE-3"), ("DFlash + VAT", "DFlash")):
         paired = data["train_paired"][vat]

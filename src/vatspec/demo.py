@@ -37,9 +37,9 @@ BENCHES = {"gsm8k": "math", "humaneval": "code", "mt_bench": "chat", "alpaca": "
 
 @dataclass(frozen=True)
 class DemoSize:
-    """How big a demo run is. ``default``: 24.4 min on 2 cores of an Intel Xeon from an empty cache (run 15;
-    20 is the budget), 16.0 with the data and feature caches warm (run 14); on the AMD EPYC of runs 1-13
-    ~17 estimated (docs/results.md); ``quick`` ~3."""
+    """How big a demo run is. ``default``: from an empty cache 18.6 min on 2 cores of the AMD EPYC (run 16, before
+    ``loss_on="all"``, which makes a training step 1.11x as long) and 24.4 on an Intel Xeon (run 15); 20 is the
+    budget (docs/results.md); ``quick`` ~3."""
 
     # 256 conversations: held-out EAGLE-3 tau_sim 1.335 at 120 steps against 1.215 with 128 x 48 (run 9);
     # bf16 steps cost 1/1.86 of fp32 ones, and the time saved buys 240 steps: 1.413 (run 11)
@@ -59,6 +59,10 @@ class DemoSize:
     optim: str = "muon"
     eagle3_muon_lr_scale: float = 3.0  # 9e-3 for the hidden matrices
     dflash_muon_lr_scale: float = 10.0  # 6e-3
+    # data.loss_on: "all" supervises every position of a training sequence (prompt and template too, ~1.7x the
+    # answer positions here) with the target's own labels; held-out tau_sim on the answers at the same steps:
+    # EAGLE-3 1.481 -> 1.529, DFlash 1.307 -> 1.373 (docs/results.md: levers)
+    loss_on: str = "all"
     draft_vocab: int = 4096  # EAGLE-3 draft vocabulary (32000 in the reference; CPU-sized here)
     ttt_steps: int = 3  # EAGLE-3 k: 3 learns as well per step as 7 at 2.4x less cost (docs/results.md: levers)
     block_size: int = 4  # DFlash block (16 in the reference; 4 learns faster than 8 here, docs/results.md: levers)
@@ -185,7 +189,7 @@ def arm_configs(names: list[str], size: DemoSize, data_path: Path, runs_dir: Pat
     common = [
         f"data.train={data_path}", f"data.max_length={size.max_length}",
         *([f"data.features={features}"] if features else []),
-        "data.heldout_fraction=0.1", "data.heldout_max=16",
+        "data.heldout_fraction=0.1", "data.heldout_max=16", f"data.loss_on={size.loss_on}",
         f"drafter.draft_vocab_size={size.draft_vocab}", f"drafter.ttt_steps={size.ttt_steps}",
         f"drafter.block_size={size.block_size}", f"drafter.num_anchors={size.anchors}",
         f"train.seed={size.seed}", f"train.precision={train_precision(size)}",
@@ -340,9 +344,9 @@ def redecode_demo(out: Path, *, threads: int | None = None, progress: bool = Tru
     try:
         old = json.loads(record.read_text())
         # a record from before dflash_batch_size trained DFlash at the EAGLE-3 batch, one from before
-        # the optimizer fields with AdamW
-        size = DemoSize(**{"dflash_batch_size": old["size"]["batch_size"], "optim": "adamw", **old["size"],
-                           "benches": tuple(old["size"]["benches"])})
+        # the optimizer fields with AdamW, one from before loss_on on the answer tokens
+        size = DemoSize(**{"dflash_batch_size": old["size"]["batch_size"], "optim": "adamw", "loss_on": "assistant",
+                           **old["size"], "benches": tuple(old["size"]["benches"])})
         trained = {k: old[k] for k in ("regeneration", "features", "train_final", "train_paired")}
         spent = old["timings_s"]
         timings = {k: spent[k] for k in ("target", "data", "features", "train")}
@@ -510,7 +514,8 @@ def _report_md(summary: dict, results: dict, eval_paths: dict, size: DemoSize, p
         f"{size.prompts} training conversations answered by the target ({size.regen_tokens} new tokens at most), "
         f"{size.steps} optimizer steps of {size.batch_size} sequences for EAGLE-3 and the same sequences in "
         f"{size.steps_of('dflash')} steps of {size.dflash_batch_size} for DFlash (max {size.max_length} tokens, "
-        f"{'bf16 autocast' if size.precision == 'bf16' else 'float32'}, optimizer {size.optim}), "
+        f"{'bf16 autocast' if size.precision == 'bf16' else 'float32'}, optimizer {size.optim}, "
+        f"{'every position' if size.loss_on == 'all' else 'the answer tokens'} supervised), "
         f"{size.eval_prompts} prompt(s) per benchmark. The paper trains on Perfectblend prompts with greedy target "
         "responses for 3 epochs (hundreds of thousands of samples) for Qwen3-4B/8B and LLaMA-3.1-8B targets and "
         "evaluates on eight benchmarks on A100 GPUs. Figures here are measured, not extrapolated. With a few prompts "

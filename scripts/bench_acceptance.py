@@ -1,0 +1,112 @@
+"""Acceptance of trained drafts on the target's own greedy answers to benchmark prompts: the decode τ of
+temperature 0 without the decode loop's few prompts.
+
+At T = 0 the decode loop commits exactly the target's greedy text, so whether a draft is accepted at a
+position is fixed by that text. Teacher-forced on it, training's simulated verification gives the acceptance
+decoding would see, at every position of every prompt instead of the rounds of the few prompts a timed
+decode can afford. What this cannot give is wall-clock speed (`vatspec eval` measures that).
+
+    .venv/bin/python scripts/bench_acceptance.py --answers runs/bench-2-26.jsonl --prompts 2:26 \\
+        --pair EAGLE3_VAT=EAGLE3 EAGLE3=reports/demo/runs/eagle3 EAGLE3_VAT=reports/demo/runs/eagle3_vat
+
+``--answers``: the target's greedy answers (128 new tokens at most) to prompts ``--prompts LO:HI`` of every
+bundled benchmark, written there by ``vatspec.data.regenerate`` when the file does not exist (they are
+evaluation prompts: never train on this file). Each ``NAME=RUN`` is a run folder or checkpoint, read with its
+own saved config (max length, anchors, precision). Prints τ_sim (1 + accepted drafts per chain) overall and per
+benchmark, the per-position accuracy, and for each ``--pair A=B`` the difference A - B with a 95% paired
+bootstrap interval over prompts (each prompt's chains pooled). Two threads by default (``--threads``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from vatspec import data as D
+from vatspec.benchmarks import list_benchmarks, load_benchmark
+from vatspec.config import load_config
+from vatspec.metrics import MetricAccumulator
+from vatspec.stats import paired_difference
+from vatspec.target import open_target
+from vatspec.train import CHAINS_KEY, _build_arm, _tokenize, arms_micro_step, step_generator
+
+
+def answers(target, path: Path, lo: int, hi: int) -> list:
+    """The target's greedy answers to prompts ``lo:hi`` of every benchmark (regenerated once into ``path``)."""
+    if not path.exists():
+        convs = [c for b in list_benchmarks() for c in load_benchmark(b)[lo:hi]]
+        D.regenerate(convs, target, path, batch_size=16, max_new_tokens=128)
+    return D.load_conversations(path)
+
+
+def per_prompt(run: str, target, convs) -> dict:
+    """One draft's chains on each prompt: ``{"accepted": [sum per prompt], "chains": [...], "acc": [...]}``."""
+    saved = load_config(Path(run) / "config.yaml" if Path(run).is_dir() else Path(run).parent / "config.yaml")
+    # the drafter's own CE: no accept head to build, the same chains and verification
+    cfg = load_config(None, [f"drafter.kind={saved.drafter.kind}", f"loss.kind={saved.drafter.kind}",
+                             f"drafter.num_anchors={saved.drafter.num_anchors}",
+                             f"drafter.block_size={saved.drafter.block_size}",
+                             f"drafter.ttt_steps={saved.drafter.ttt_steps}",
+                             f"train.precision={saved.train.precision}", f"train.seed={saved.train.seed}"])
+    device = torch.device("cpu")
+    arm = _build_arm(cfg, target, None, 1, 1, device, run)
+    arm.model.eval()
+    examples = _tokenize(convs, target.tokenizer, saved.data.max_length, "--answers")
+    out = {"accepted": [], "chains": [], "ids": [e.id for e in examples]}
+    acc = MetricAccumulator()
+    with torch.no_grad():
+        for i, ex in enumerate(examples):
+            batch = D.collate([ex], target.tokenizer.pad_token_id or 0).to(device)
+            res = next(arms_micro_step([arm], target, batch, [step_generator(cfg.train.seed, -1, i, 0, device)]))
+            chains = res.metrics.chain_accepted
+            out["accepted"].append(float(chains.sum()))
+            out["chains"].append(chains.numel())
+            acc.add(res.metrics)
+    summary = acc.summary()
+    summary.pop(CHAINS_KEY, None)
+    out["acc"] = summary["acc"]
+    return out
+
+
+def tau(r: dict, keep=lambda i: True) -> float:
+    num = sum(a for i, a in zip(r["ids"], r["accepted"]) if keep(i))
+    den = sum(c for i, c in zip(r["ids"], r["chains"]) if keep(i))
+    return 1.0 + num / max(den, 1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--answers", type=Path, required=True)
+    ap.add_argument("--prompts", default="2:26", help="LO:HI of each benchmark, when --answers is made")
+    ap.add_argument("--pair", action="append", default=[], help="A=B: A - B with a paired interval")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", type=Path, help="write the figures here")
+    ap.add_argument("runs", nargs="+", help="NAME=RUN (a run folder or checkpoint)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    lo, hi = (int(x) for x in args.prompts.split(":"))
+    target = open_target("default", device="cpu", dtype="float32")
+    convs = answers(target, args.answers, lo, hi)
+    runs = dict(r.split("=", 1) for r in args.runs)
+    res = {name: per_prompt(run, target, convs) for name, run in runs.items()}
+    benches = sorted({i.split("/")[0].replace("HumanEval", "humaneval") for i in next(iter(res.values()))["ids"]})
+    print(f"teacher-forced acceptance on the target's greedy answers to {len(convs)} benchmark prompts "
+          f"({args.answers})")
+    print(f"{'draft':<14} {'tau_sim':>8} " + " ".join(f"{b:>10}" for b in benches) + "  per-position acc")
+    for name, r in res.items():
+        per = [tau(r, lambda i, b=b: i.split("/")[0].replace("HumanEval", "humaneval") == b) for b in benches]
+        print(f"{name:<14} {tau(r):8.3f} " + " ".join(f"{t:10.3f}" for t in per) + "  "
+              + " ".join(f"{a:.3f}" for a in r["acc"]))
+    for pair in args.pair:
+        a, b = pair.split("=", 1)
+        d = paired_difference(res[a]["accepted"], res[b]["accepted"], res[a]["chains"], res[b]["chains"])
+        print(d.sentence("tau_sim on benchmark answers", a, b, "prompts"))
+    if args.json:
+        args.json.write_text(json.dumps({n: {**r, "tau_sim": tau(r)} for n, r in res.items()}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

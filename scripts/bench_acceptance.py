@@ -31,7 +31,7 @@ from vatspec.config import load_config
 from vatspec.metrics import MetricAccumulator
 from vatspec.stats import paired_difference
 from vatspec.target import open_target
-from vatspec.train import CHAINS_KEY, _build_arm, _tokenize, arms_micro_step, step_generator
+from vatspec.train import CHAINS_KEY, _build_arm, _pad_id, _tokenize, arms_micro_step, step_generator
 
 
 def answers(target, path: Path, lo: int, hi: int) -> list:
@@ -59,7 +59,7 @@ def per_prompt(run: str, target, convs) -> dict:
     acc = MetricAccumulator()
     with torch.no_grad():
         for i, ex in enumerate(examples):
-            batch = D.collate([ex], target.tokenizer.pad_token_id or 0).to(device)
+            batch = D.collate([ex], _pad_id(target)).to(device)
             res = next(arms_micro_step([arm], target, batch, [step_generator(cfg.train.seed, -1, i, 0, device)]))
             chains = res.metrics.chain_accepted
             out["accepted"].append(float(chains.sum()))
@@ -77,35 +77,43 @@ def tau(r: dict, keep=lambda i: True) -> float:
     return 1.0 + num / max(den, 1)
 
 
-def main() -> None:
+def bench_of(conv_id: str) -> str:
+    """The benchmark a conversation id belongs to: "HumanEval/3" -> "humaneval", "gsm8k/12" -> "gsm8k"."""
+    return conv_id.split("/")[0].lower()
+
+
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--answers", type=Path, required=True)
     ap.add_argument("--prompts", default="2:26", help="LO:HI of each benchmark, when --answers is made")
     ap.add_argument("--pair", action="append", default=[], help="A=B: A - B with a paired interval")
+    ap.add_argument("--target", default="default", help="the target the drafts were trained for (default: SmolLM2)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", type=Path, help="write the figures here")
     ap.add_argument("runs", nargs="+", help="NAME=RUN (a run folder or checkpoint)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     lo, hi = (int(x) for x in args.prompts.split(":"))
-    target = open_target("default", device="cpu", dtype="float32")
+    target = open_target(args.target, device="cpu", dtype="float32")
     convs = answers(target, args.answers, lo, hi)
     runs = dict(r.split("=", 1) for r in args.runs)
     res = {name: per_prompt(run, target, convs) for name, run in runs.items()}
-    benches = sorted({i.split("/")[0].replace("HumanEval", "humaneval") for i in next(iter(res.values()))["ids"]})
+    benches = sorted({bench_of(i) for i in next(iter(res.values()))["ids"]})
     print(f"teacher-forced acceptance on the target's greedy answers to {len(convs)} benchmark prompts "
           f"({args.answers})")
     print(f"{'draft':<14} {'tau_sim':>8} " + " ".join(f"{b:>10}" for b in benches) + "  per-position acc")
     for name, r in res.items():
-        per = [tau(r, lambda i, b=b: i.split("/")[0].replace("HumanEval", "humaneval") == b) for b in benches]
+        per = [tau(r, lambda i, b=b: bench_of(i) == b) for b in benches]
         print(f"{name:<14} {tau(r):8.3f} " + " ".join(f"{t:10.3f}" for t in per) + "  "
               + " ".join(f"{a:.3f}" for a in r["acc"]))
     for pair in args.pair:
         a, b = pair.split("=", 1)
         d = paired_difference(res[a]["accepted"], res[b]["accepted"], res[a]["chains"], res[b]["chains"])
         print(d.sentence("tau_sim on benchmark answers", a, b, "prompts"))
+    out = {n: {**r, "tau_sim": tau(r)} for n, r in res.items()}
     if args.json:
-        args.json.write_text(json.dumps({n: {**r, "tau_sim": tau(r)} for n, r in res.items()}, indent=1))
+        args.json.write_text(json.dumps(out, indent=1))
+    return out
 
 
 if __name__ == "__main__":

@@ -11,10 +11,11 @@ decode can afford. What this cannot give is wall-clock speed (`vatspec eval` mea
 
 ``--answers``: the target's greedy answers (128 new tokens at most) to prompts ``--prompts LO:HI`` of every
 bundled benchmark, written there by ``vatspec.data.regenerate`` when the file does not exist (they are
-evaluation prompts: never train on this file). Each ``NAME=RUN`` is a run folder or checkpoint, read with its
-own saved config (max length, anchors, precision). Prints τ_sim (1 + accepted drafts per chain) overall and per
-benchmark, the per-position accuracy, and for each ``--pair A=B`` the difference A - B with a 95% paired
-bootstrap interval over prompts (each prompt's chains pooled). Two threads by default (``--threads``).
+evaluation prompts: never train on this file). Each ``NAME=RUN`` is a run folder or one of its checkpoint
+folders, read with its own saved config (max length, anchors, precision). Prints τ_sim (1 + accepted drafts
+per chain) overall and per benchmark, the per-position accuracy, and for each ``--pair A=B`` the difference
+A - B with a 95% paired bootstrap interval over prompts (each prompt's chains pooled). Two threads by default
+(``--threads``).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def answers(target, path: Path, lo: int, hi: int) -> list:
 
 def per_prompt(run: str, target, convs) -> dict:
     """One draft's chains on each prompt: ``{"accepted": [sum per prompt], "chains": [...], "acc": [...]}``."""
-    saved = load_config(Path(run) / "config.yaml" if Path(run).is_dir() else Path(run).parent / "config.yaml")
+    saved = load_config(Path(run) / "config.yaml")  # a run folder and each of its checkpoints hold one
     # the drafter's own CE: no accept head to build, the same chains and verification
     cfg = load_config(None, [f"drafter.kind={saved.drafter.kind}", f"loss.kind={saved.drafter.kind}",
                              f"drafter.num_anchors={saved.drafter.num_anchors}",
@@ -90,7 +91,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--target", default="default", help="the target the drafts were trained for (default: SmolLM2)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", type=Path, help="write the figures here")
-    ap.add_argument("runs", nargs="+", help="NAME=RUN (a run folder or checkpoint)")
+    ap.add_argument("runs", nargs="+", help="NAME=RUN (a run folder or one of its checkpoint folders)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     lo, hi = (int(x) for x in args.prompts.split(":"))

@@ -184,6 +184,7 @@ def test_loss_on_all_trains_every_position_and_scores_the_answers(tiny_target_di
     answers = dict(seen)
     seen.update(train=[], held=[])
     train(_cfg(tiny_target_dir, data_file, tmp_path / "all", *arm, "data.loss_on=all"), progress=False)
+    assert seen["train"] and answers["train"]
     for mask, attn in seen["train"]:
         expect = attn.bool().clone()
         expect[:, 0] = False  # nothing predicts the first token

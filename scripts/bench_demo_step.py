@@ -88,17 +88,15 @@ def main() -> None:
     first, second = arms.values()  # the same start in each mode (the arm's seed), on the one target
     assert all(torch.equal(p, q) for a, b in zip(first, second)
                for p, q in zip(a.model.parameters(), b.model.parameters()))
-    batches = BatchIterator(examples, size.batch_size, _pad_id(target), seed=0)
+    # the same batches (same seed) with the answers supervised, or every position (data.loss_on)
+    batches = {on: BatchIterator([e.supervise_all() for e in examples] if on == "all" else examples,
+                                 size.batch_size, _pad_id(target), seed=0) for on in ("assistant", "all")}
     times: dict[str, list[float]] = {m: [] for m in modes}
     for step in range(1 + args.steps):  # step 0 warms up
-        answers = next(batches)
+        batch_of = {on: next(it) for on, it in batches.items()}
         for mode in (list(modes) if step % 2 == 0 else list(modes)[::-1]):
             shared_teacher, precision, _, loss_on = modes[mode]
-            batch = answers
-            if loss_on == "all":  # Example.supervise_all on every row: each real position after the first
-                mask = answers.attention_mask.bool()
-                mask[:, 0] = False
-                batch = D.Batch(answers.input_ids, answers.attention_mask, mask)
+            batch = batch_of[loss_on]
             gens = [step_generator(0, step, 0, 0) for _ in arms[mode]]
             t0 = time.perf_counter()
             plans = [plan_batch(a.drafter, batch, a.cfg.drafter, g, with_logits=not a.loss_cfg.chunk_size)

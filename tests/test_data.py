@@ -356,10 +356,11 @@ class ScriptedModel(torch.nn.Module):
         self.w = torch.nn.Parameter(torch.zeros(1))
 
     def generate(self, input_ids, attention_mask, generation_config):
-        n = max(len(r) for r in self.replies)
-        tail = torch.full((input_ids.shape[0], n), generation_config.pad_token_id)
-        for i in range(input_ids.shape[0]):
-            r = self.replies[i % len(self.replies)]
+        self.budgets = [*getattr(self, "budgets", []), generation_config.max_new_tokens]
+        replies = [self.replies[i % len(self.replies)][: generation_config.max_new_tokens]
+                   for i in range(input_ids.shape[0])]
+        tail = torch.full((input_ids.shape[0], max(map(len, replies))), generation_config.pad_token_id)
+        for i, r in enumerate(replies):
             tail[i, : len(r)] = torch.tensor(r)
         return torch.cat([input_ids, tail], dim=1)
 
@@ -376,6 +377,36 @@ def test_regenerate_stops_at_eos_and_strips_it(tmp_path, tok):
     assert recs["y"]["messages"][-1]["content"] == "Hello worldHello world"
     assert recs["y"]["meta"]["finish"] == ["length"]
     assert st.new_tokens == len(hello) + 1 + 2 * len(hello) and st.truncated_turns == 1
+
+
+def test_regenerate_stops_at_the_training_length_with_the_same_training_tokens(tmp_path, tok):
+    from vatspec.data.regen import CUT_MARGIN
+
+    words = tok(" one two three four five six seven eight nine ten" * 6, add_special_tokens=False)["input_ids"]
+    convs = [Conversation("long", [{"role": "user", "content": "a much longer prompt than the other " * 3}]),
+             Conversation("short", [{"role": "user", "content": "hi"}, {"role": "user", "content": "and more " * 9}])]
+    lens = {c.id: len(tok(tok.apply_chat_template(c.messages[:1], tokenize=False, add_generation_prompt=True),
+                          add_special_tokens=False)["input_ids"]) for c in convs}
+    max_length = lens["long"] + 10  # the long prompt's row passes it, the short one's does not yet
+    recs, models = {}, {}
+    for cut in (None, max_length):
+        model = models[cut] = ScriptedModel([words])
+        target = SimpleNamespace(tokenizer=tok, model=model, eos_token_ids=[IM_END], device=torch.device("cpu"))
+        out = tmp_path / f"{cut}.jsonl"
+        regenerate(convs, target, out, batch_size=2, max_new_tokens=len(words), max_length=cut, progress=False)
+        recs[cut] = {r["id"]: Conversation(r["id"], r["messages"], r["meta"]) for r in read_jsonl(out)}
+    # one round generates until the shorter prompt's row holds max_length tokens and the margin
+    assert models[max_length].budgets[0] == max_length + CUT_MARGIN - lens["short"] < len(words)
+    assert models[None].budgets == [len(words)] * 2
+    for cid in ("long", "short"):
+        whole = tokenize_conversation(recs[None][cid], tok, max_length=max_length)
+        cut = tokenize_conversation(recs[max_length][cid], tok, max_length=max_length)
+        assert (cut.input_ids, cut.loss_mask) == (whole.input_ids, whole.loss_mask)
+        assert len(recs[max_length][cid].messages[1]["content"]) < len(recs[None][cid].messages[1]["content"])
+    # the short conversation's second prompt already fills the window: it ends after its first answer
+    assert [m["role"] for m in recs[max_length]["short"].messages] == ["user", "assistant"]
+    assert recs[max_length]["short"].meta["finish"] == ["length"]
+    assert [m["role"] for m in recs[None]["short"].messages] == ["user", "assistant"] * 2
 
 
 @pytest.mark.slow

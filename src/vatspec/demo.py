@@ -140,7 +140,7 @@ def prepare_training_data(target, size: DemoSize, home: Path, progress: bool = T
     prompts = prepare_prompts(size.prompts, seed=size.seed, max_turns=1, max_chars=600)
     t0 = time.perf_counter()
     stats = D.regenerate(prompts, target, out, batch_size=16, max_new_tokens=size.regen_tokens,
-                         progress=progress)
+                         max_length=size.max_length, progress=progress)
     info = {**dataclasses.asdict(stats), "seconds": time.perf_counter() - t0, "path": str(out),
             "tokens_per_s": stats.tokens_per_s}
     return out, info

@@ -25,6 +25,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float_arg(0.0, 1.0, above=True), default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-prompt-tokens", type=int_arg(1), default=2048)
+    parser.add_argument("--max-length", type=int_arg(1), default=None,
+                        help="the training length (data.max_length): stop generating once every row of a batch "
+                             "holds this many tokens, prompt included, plus a few; training sees the same tokens")
     parser.add_argument("--limit", type=int_arg(0), default=None, help="only the first N conversations")
     parser.add_argument("--skip-bad", action="store_true", help="skip (and count) bad input records")
     parser.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
@@ -74,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         seed=args.seed,
         max_prompt_tokens=args.max_prompt_tokens,
+        max_length=args.max_length,
     )
     print(
         f"wrote {stats.conversations} conversations ({stats.turns} turns, {stats.new_tokens} tokens, "

@@ -46,6 +46,7 @@ def regenerate(
     top_p: float = 1.0,
     seed: int = 0,
     max_prompt_tokens: int = 2048,
+    max_length: int | None = None,
     progress: bool = True,
 ) -> RegenStats:
     """Replace each assistant turn by the target's own response; append records to ``out_path``.
@@ -56,6 +57,13 @@ def regenerate(
     end token is not kept in the text) or after ``max_new_tokens`` (counted in
     ``truncated_turns``). A conversation stops at the first round whose prompt exceeds
     ``max_prompt_tokens``; if that is the first round it is not written (``too_long``).
+
+    ``max_length``: the training length, when known. A round then generates only until every row of
+    the batch holds ``max_length`` tokens (prompt included) and a few more, so the words at the cut
+    re-tokenize as they would in the whole text: tokens past the training length are never trained
+    on, so the training sequences are the same and the long-prompt batches finish sooner. Rows cut
+    there finish as ``"length"``. A later user turn whose prompt already holds ``max_length``
+    tokens ends the conversation (nothing after it fits the training window).
 
     Resumable: each finished conversation is appended as one JSON line (flush + fsync); a
     restart skips ids already in the file, after cutting off a partial last line. An existing
@@ -86,7 +94,7 @@ def regenerate(
             chunk = todo[b : b + batch_size]
             torch.manual_seed(zlib.crc32(f"{seed}:{chunk[0].id}".encode()))
             for conv, finishes in _regenerate_batch(chunk, target, eos, pad_id, max_new_tokens, temperature, top_p,
-                                                    max_prompt_tokens, stats):
+                                                    max_prompt_tokens, max_length, stats):
                 if not finishes:
                     stats.too_long += 1
                     continue
@@ -104,7 +112,12 @@ def regenerate(
     return stats
 
 
-def _regenerate_batch(convs, target, eos, pad_id, max_new_tokens, temperature, top_p, max_prompt_tokens, stats):
+# tokens generated past the training length: a cut inside a word would re-tokenize the word's head
+CUT_MARGIN = 8
+
+
+def _regenerate_batch(convs, target, eos, pad_id, max_new_tokens, temperature, top_p, max_prompt_tokens, max_length,
+                      stats):
     """Run the rounds of a batch together; yields ``(conversation, finish reasons)`` per input."""
     from transformers import GenerationConfig
 
@@ -132,7 +145,9 @@ def _regenerate_batch(convs, target, eos, pad_id, max_new_tokens, temperature, t
                 if m["role"] == "user":
                     text = tok.apply_chat_template(history[j], tokenize=False, add_generation_prompt=True)
                     p = tok(text, add_special_tokens=False)["input_ids"]
-                    if len(p) > max_prompt_tokens:
+                    answered = any(m["role"] == "assistant" for m in history[j])
+                    past_window = max_length is not None and len(p) >= max_length and answered
+                    if len(p) > max_prompt_tokens or past_window:
                         history[j].pop()
                         stopped[j] = True
                         break
@@ -148,6 +163,8 @@ def _regenerate_batch(convs, target, eos, pad_id, max_new_tokens, temperature, t
         for r, p in enumerate(prompts):
             input_ids[r, T - len(p) :] = torch.tensor(p)
             attn[r, T - len(p) :] = 1
+        if max_length is not None:
+            gen_cfg.max_new_tokens = min(max_new_tokens, max(1, max_length + CUT_MARGIN - min(map(len, prompts))))
         with torch.no_grad():
             out = target.model.generate(
                 input_ids=input_ids.to(target.device), attention_mask=attn.to(target.device), generation_config=gen_cfg

@@ -1,0 +1,71 @@
+"""Regeneration stopped at the training length against regeneration to ``max_new_tokens``, side by side.
+
+    .venv/bin/python scripts/bench_regen_cut.py [--n 48] [--threads 2]
+
+Takes the demo's training prompts in the order ``regenerate`` batches them (longest first, 16 a batch),
+keeps the first ``--n`` (the batches whose rows run past the training length), and regenerates them
+twice on the embedded target, greedy: without ``max_length`` and with the demo's ``max_length``. Prints
+the time and the tokens of each, and how many training sequences (``tokenize_conversation`` at
+``max_length``: ids and loss mask) are identical between the two.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--n", type=int, default=48, help="prompts, longest first")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    from vatspec.benchmarks import prepare_prompts
+    from vatspec.data import regenerate, tokenize_conversation
+    from vatspec.data.records import Conversation
+    from vatspec.demo import SIZES
+    from vatspec.target import open_target
+
+    size = SIZES["default"]
+    target = open_target("default", device="cpu")
+    prompts = prepare_prompts(size.prompts, seed=size.seed, max_turns=1, max_chars=600)
+    prompts.sort(key=lambda c: -sum(len(m["content"]) for m in c.messages if m["role"] != "assistant"))
+    prompts = prompts[: args.n]
+
+    seqs, rows = {}, []
+    with tempfile.TemporaryDirectory() as tmp:
+        regenerate(prompts[:1], target, Path(tmp) / "warm.jsonl", max_new_tokens=4, progress=False)
+        for name, max_length in (("to max_new_tokens", None), (f"max_length {size.max_length}", size.max_length)):
+            out = Path(tmp) / f"{max_length}.jsonl"
+            t0 = time.perf_counter()
+            st = regenerate(prompts, target, out, batch_size=16, max_new_tokens=size.regen_tokens,
+                            max_length=max_length, progress=False)
+            rows.append((name, st.new_tokens, time.perf_counter() - t0))
+            seqs[max_length] = {}
+            for rec in map(json.loads, out.read_text().splitlines()):
+                ex = tokenize_conversation(Conversation(rec["id"], rec["messages"], rec["meta"]), target.tokenizer,
+                                           max_length=size.max_length)
+                seqs[max_length][rec["id"]] = (list(ex.input_ids), list(ex.loss_mask))
+    whole, cut = seqs[None], seqs[size.max_length]
+    same = sum(whole[k] == cut.get(k) for k in whole)
+
+    print(f"\n{len(prompts)} longest demo prompts, batches of 16, greedy, {size.regen_tokens} new tokens at most, "
+          f"torch threads {torch.get_num_threads()}")
+    print(f"{'regeneration':<20} {'tokens':>7} {'seconds':>8}")
+    for name, n, s in rows:
+        print(f"{name:<20} {n:>7} {s:>8.1f}")
+    print(f"\ntime with max_length / without: {rows[1][2] / rows[0][2]:.3f}")
+    print(f"identical training sequences at max_length {size.max_length}: {same}/{len(whole)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

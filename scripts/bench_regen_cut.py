@@ -31,14 +31,13 @@ def main() -> int:
     from vatspec.benchmarks import prepare_prompts
     from vatspec.data import regenerate, tokenize_conversation
     from vatspec.data.records import Conversation
+    from vatspec.data.regen import longest_first
     from vatspec.demo import SIZES
     from vatspec.target import open_target
 
     size = SIZES["default"]
     target = open_target("default", device="cpu")
-    prompts = prepare_prompts(size.prompts, seed=size.seed, max_turns=1, max_chars=600)
-    prompts.sort(key=lambda c: -sum(len(m["content"]) for m in c.messages if m["role"] != "assistant"))
-    prompts = prompts[: args.n]
+    prompts = longest_first(prepare_prompts(size.prompts, seed=size.seed, max_turns=1, max_chars=600))[: args.n]
 
     seqs, rows = {}, []
     with tempfile.TemporaryDirectory() as tmp:

@@ -83,7 +83,7 @@ def regenerate(
     done = _resume_ids(out_path)
     todo = [c for c in convs if c.id not in done]
     stats = RegenStats(skipped_done=len(convs) - len(todo))
-    todo.sort(key=lambda c: -sum(len(m["content"]) for m in c.messages if m["role"] != "assistant"))
+    todo = longest_first(todo)
     eos = list(target.eos_token_ids)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -110,6 +110,11 @@ def regenerate(
     bar.close()
     stats.seconds = time.perf_counter() - t0
     return stats
+
+
+def longest_first(convs: Sequence[Conversation]) -> list[Conversation]:
+    """The order ``regenerate`` batches conversations in: longest prompt text first (stable)."""
+    return sorted(convs, key=lambda c: -sum(len(m["content"]) for m in c.messages if m["role"] != "assistant"))
 
 
 # tokens generated past the training length: a cut inside a word would re-tokenize the word's head
@@ -145,8 +150,8 @@ def _regenerate_batch(convs, target, eos, pad_id, max_new_tokens, temperature, t
                 if m["role"] == "user":
                     text = tok.apply_chat_template(history[j], tokenize=False, add_generation_prompt=True)
                     p = tok(text, add_special_tokens=False)["input_ids"]
-                    answered = any(m["role"] == "assistant" for m in history[j])
-                    past_window = max_length is not None and len(p) >= max_length and answered
+                    # an answered conversation (a finish per answer) whose next prompt fills the window
+                    past_window = max_length is not None and len(p) >= max_length and bool(finishes[j])
                     if len(p) > max_prompt_tokens or past_window:
                         history[j].pop()
                         stopped[j] = True

@@ -3,7 +3,7 @@ lm_head with plain ``F.linear``, always as ``weight @ x.T`` and with the kernel 
 machine (``vatspec.target.skinny_linear``, ``FEW_ROW_KERNEL``), measured side by side in one run.
 Explains a decode round's verify cost in AR steps.
 
-    .venv/bin/python scripts/bench_target_step.py [--context 300] [--reps 12]
+    .venv/bin/python scripts/bench_target_step.py [--context 300] [--reps 12] [--rows 1,2,4,8]
 """
 
 import argparse
@@ -20,6 +20,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--context", type=int, default=300)
     ap.add_argument("--reps", type=int, default=12)
+    ap.add_argument("--rows", default="1,2,4,8", help="new tokens per pass, comma-separated (the first is the base)")
     args = ap.parse_args()
     target = open_target("default", device="cpu", dtype="float32")
     w = target.lm_head.weight
@@ -37,7 +38,7 @@ def main() -> None:
     rows = []
     with torch.inference_mode():
         cache = target(prompt, logits=False, use_cache=True).past_key_values
-        for q in (1, 2, 4, 8):
+        for q in [int(r) for r in args.rows.split(",")]:
             x = torch.randint(100, target.vocab_size - 100, (1, q))
             h = target(x, past_key_values=cache, use_cache=True, logits=False).hidden[0]
             cache.crop(-q)
@@ -60,6 +61,10 @@ def main() -> None:
     for q, t in rows:
         cells = " ".join(f"{t[k][0]:9.1f} + {t[k][1]:8.1f}" for k in kernels)
         print(f"{q:>2} {cells}   " + ", ".join(f"{sum(t[k]) / base[k]:.2f}" for k in kernels))
+    print("auto's choice per weight shape ([out, in]: rows -> kernel):")
+    for shape in sorted({k[:2] for k in T._FASTER}):
+        picks = {k[2]: "matmul" if v else "linear" for k, v in T._FASTER.items() if k[:2] == shape}
+        print(f"  {list(shape)}: " + ", ".join(f"{r} {picks[r]}" for r in sorted(picks)))
 
 
 if __name__ == "__main__":

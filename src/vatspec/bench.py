@@ -311,14 +311,19 @@ def markdown_table(results: dict, relative_to: str | Mapping[str, str] | None = 
 
 def calibration_lines(calibration: Mapping[str, dict]) -> list[str]:
     """Markdown: per method, the k chosen on the calibration prompts and why (``calibrate``)."""
+    level = next(iter(calibration.values())).get("confidence", 0.95)
     lines = ["Draft length chosen on held-out calibration prompts: a round drafting k costs `cost(k)` AR steps "
-             "and commits `1 + S(1) + ... + S(k)` tokens on average (S(j) = P(at least j drafts accepted)).", "",
-             "| Method | k | S(1..k_max) | cost(0..k_max), AR steps | expected speedup(0..k_max) | rounds |",
-             "|---|---:|---|---|---|---:|"]
+             "and commits `1 + S(1) + ... + S(k)` tokens on average (S(j) = P(at least j drafts accepted)). "
+             f"From k = 1 up, a longer k is chosen only when it is faster in {100 * level:.0f}% of the calibration "
+             "rounds resampled with replacement (last column: the share of resamples in which each k beats the "
+             "chosen one).", "",
+             "| Method | k | S(1..k_max) | cost(0..k_max), AR steps | expected speedup(0..k_max) | rounds "
+             "| P(faster than chosen k), k = 1..k_max |",
+             "|---|---:|---|---|---|---:|---|"]
     for name, c in calibration.items():
         row = [" ".join(f"{x:.2f}" for x in c[f][start:]) for f, start in
-               (("survival", 1), ("cost", 0), ("speedup", 0))]
-        lines.append(f"| {name} | {c['k']} | {row[0]} | {row[1]} | {row[2]} | {c['rounds']} |")
+               (("survival", 1), ("cost", 0), ("speedup", 0), ("faster", 1)) if f in c]
+        lines.append(f"| {name} | {c['k']} | " + " | ".join([*row[:3], str(c["rounds"]), *row[3:]]) + " |")
     slow = [name for name, c in calibration.items() if c.get("ar_wins")]
     if slow:
         lines += ["", f"For {', '.join(slow)} even the best k is expected to be slower than decoding without the "

@@ -18,6 +18,16 @@ Worked example: S = [0.5, 0.25], cost = [1, 1.2, 1.5] -> tokens per round 1, 1.5
 1.0, 1.25, 1.17: k = 1. The choice is among k >= 1 (k = 0 measures nothing about the draft); when
 even the best k is expected to be slower than the AR baseline, ``Calibration.ar_wins`` says so.
 
+A longer draft has to earn its place with confidence. S(j) for large j rests on the few rounds
+that got that far, so two k whose expected speedups are close are a coin flip on a few calibration
+prompts, and the longer one pays its larger verify on every round if the flip was wrong. So the
+rounds are resampled with replacement (a bootstrap of the survival curve; the round costs are
+medians of interleaved timings and are held fixed), and, from k = 1 upwards, a larger k replaces
+the current choice only when it is faster in at least ``confidence`` (95%) of the resamples. Rounds
+of one prompt are correlated, so this interval is if anything narrow: the rule still leans to the
+longer k less than the point estimate does, which is the side the measurements favour (a k = 3
+chosen on a 0.01 lead decoded the benchmarks slower than k = 1 would have; docs/results.md).
+
     cal = calibrate(target, drafter, calibration_prompts)      # held-out prompts, never the benchmarks
     generate(target, ids, drafter, k=cal.k)
 """
@@ -29,6 +39,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
+import numpy as np
 import torch
 
 from vatspec.decode import Round, generate
@@ -45,6 +56,8 @@ class Calibration:
     speedup: list[float]  # expected speedup over the AR baseline
     rounds: int  # calibration rounds the survival curve rests on
     ar_step_s: float  # one AR step, seconds
+    faster: list[float]  # faster[j]: share of bootstrap resamples in which k = j beats the chosen k
+    confidence: float  # the share a larger k needs to replace a smaller one
 
     @property
     def ar_wins(self) -> bool:
@@ -77,12 +90,45 @@ def expected_speedup(survival: Sequence[float], cost: Sequence[float]) -> tuple[
     return tokens, [t / c for t, c in zip(tokens, cost)]
 
 
-def choose_k(survival: Sequence[float], cost: Sequence[float], k_min: int = 1) -> int:
+def bootstrap_survival(rounds: Sequence[Round], k_max: int, *, resamples: int = 2000, seed: int = 0) -> np.ndarray:
+    """``[resamples, k_max + 1]`` survival curves (``acceptance_survival``) of the rounds resampled
+    with replacement."""
+    acc = np.array([r.accepted for r in rounds])
+    drafted = np.array([r.drafted for r in rounds])
+    counts = np.random.default_rng(seed).multinomial(len(rounds), np.full(len(rounds), 1 / len(rounds)),
+                                                     size=resamples) if len(rounds) else np.zeros((resamples, 0))
+    out = np.ones((resamples, k_max + 1))
+    for j in range(1, k_max + 1):
+        seen = counts @ (drafted >= j)
+        hit = counts @ ((drafted >= j) & (acc >= j))
+        out[:, j] = np.divide(hit, seen, out=np.zeros(resamples), where=seen > 0)
+    return out
+
+
+def choose_k(survival: Sequence[float], cost: Sequence[float], k_min: int = 1, *,
+             resampled: np.ndarray | None = None, confidence: float = 0.95) -> int:
     """The k >= ``k_min`` with the highest expected speedup (the smallest such k on a tie). ``k_min``
     is 1 by default: k = 0 would decode without the draft, so nothing about the draft would be
-    measured; ``Calibration.ar_wins`` says when even the best k is expected to lose to it."""
+    measured; ``Calibration.ar_wins`` says when even the best k is expected to lose to it.
+
+    With ``resampled`` survival curves (``bootstrap_survival``), from ``k_min`` upwards a larger k
+    replaces the current choice only when it is faster in at least ``confidence`` of them."""
     _, speedup = expected_speedup(survival, cost)
-    return max(range(min(k_min, len(speedup) - 1), len(speedup)), key=lambda k: (speedup[k], -k))
+    k_min = min(k_min, len(speedup) - 1)
+    if resampled is None:
+        return max(range(k_min, len(speedup)), key=lambda k: (speedup[k], -k))
+    fast = _resampled_speedup(resampled, cost)
+    k = k_min
+    for j in range(k_min + 1, len(speedup)):
+        if np.mean(fast[:, j] > fast[:, k]) >= confidence:
+            k = j
+    return k
+
+
+def _resampled_speedup(resampled: np.ndarray, cost: Sequence[float]) -> np.ndarray:
+    """``[resamples, k_max + 1]`` expected speedups of resampled survival curves."""
+    tokens = np.cumsum(np.concatenate([np.ones((len(resampled), 1)), resampled[:, 1:]], axis=1), axis=1)
+    return tokens / np.asarray(cost, dtype=float)
 
 
 @torch.inference_mode()
@@ -137,18 +183,25 @@ def measure_round_cost(
 
 
 def calibrate(target, drafter, prompts: Sequence[Sequence[int]], *, k_max: int | None = None,
-              max_new_tokens: int = 64, reps: int = 7) -> Calibration:
+              max_new_tokens: int = 64, reps: int = 7, confidence: float = 0.95, seed: int = 0) -> Calibration:
     """Decode ``prompts`` (token ids; held-out prompts, never the evaluation set) at T = 0 with
-    ``k_max`` (default ``drafter.k``), measure the round cost on the first prompt, choose k."""
+    ``k_max`` (default ``drafter.k``), measure the round cost on the first prompt, choose k: the
+    fastest expected, a longer k only when faster with ``confidence`` over resampled rounds."""
     if not prompts:
         raise ValueError("calibrate: no calibration prompts")
     k_max = drafter.k if k_max is None else int(k_max)
     if k_max < 1:
         raise ValueError(f"calibrate: k_max must be >= 1, got {k_max}")
+    if not 0.5 <= confidence <= 1.0:
+        raise ValueError(f"calibrate: confidence must be in [0.5, 1], got {confidence}")
     rounds: list[Round] = []
     for ids in prompts:
         rounds += generate(target, ids, drafter, k=k_max, max_new_tokens=max_new_tokens).rounds
     survival = acceptance_survival(rounds, k_max)
     cost, ar_s = measure_round_cost(target, drafter, prompts[0], k_max, reps=reps)
     tokens, speedup = expected_speedup(survival, cost)
-    return Calibration(choose_k(survival, cost), survival, cost, tokens, speedup, len(rounds), ar_s)
+    resampled = bootstrap_survival(rounds, k_max, seed=seed)
+    k = choose_k(survival, cost, resampled=resampled, confidence=confidence)
+    fast = _resampled_speedup(resampled, cost)
+    faster = [float(np.mean(fast[:, j] > fast[:, k])) for j in range(k_max + 1)]
+    return Calibration(k, survival, cost, tokens, speedup, len(rounds), ar_s, faster, confidence)

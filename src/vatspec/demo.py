@@ -38,8 +38,8 @@ BENCHES = {"gsm8k": "math", "humaneval": "code", "mt_bench": "chat", "alpaca": "
 @dataclass(frozen=True)
 class DemoSize:
     """How big a demo run is. ``default``: from an empty cache 12.9 min on 2 cores of the AMD EPYC on a fast day
-    (run 20), 21.2-22.0 there on slow days (runs 19, 18) and 24.4 on an Intel Xeon (run 15); 20 is the budget
-    (docs/results.md); ``quick`` ~3."""
+    (run 20), 21.2-22.0 there on slow days (runs 19, 18), 11.0 on an Intel Xeon with AMX (run 21) and 24.4 on a
+    slower one (run 15); 20 is the budget (docs/results.md); ``quick`` ~3."""
 
     # 256 conversations: held-out EAGLE-3 tau_sim 1.335 at 120 steps against 1.215 with 128 x 48 (run 9);
     # bf16 steps cost 1/1.86 of fp32 ones, and the time saved buys 240 steps: 1.413 (run 11)

@@ -12,8 +12,8 @@ folded into ``fc.weight`` at export (``W' = W diag(s)``; no export code does it)
 unchanged; only the optimisation differs. The RMS leaves out rows above 4x the median token RMS (those first
 tokens).
 
-Measured with it: docs/results.md, "EAGLE-3's target layers and the scale of fc's input". Not a
-training option: neither factor helped.
+Measured with it: docs/results.md, "Drafter architecture: EAGLE-3's target layers and fc's input scale,
+DFlash's depth". Not a training option: neither factor helped.
 """
 
 import json

@@ -16,16 +16,15 @@ Measured with it: docs/results.md, "Drafter architecture: EAGLE-3's target layer
 DFlash's depth". Not a training option: neither factor helped.
 """
 
-import json
 import runpy
 import shlex
 import sys
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 import vatspec.train as train
+from vatspec.features.reader import FeatureCache
 
 _build = train.build_drafter
 
@@ -39,11 +38,10 @@ class ScaledLinear(torch.nn.Linear):
 
 def feature_rms(cache: Path, layer_ids, per: str) -> torch.Tensor:
     """[len(layer_ids) * H] RMS of each fused input dimension (``per="dim"``) or of each layer's block."""
-    shard = json.loads((cache / "manifest.json").read_text())["shards"][0]["file"]
-    f = safe_open(str(cache / shard), "pt")
+    fcache = FeatureCache(cache)
+    feats = torch.cat([fcache.read(row, layer_ids)[0] for row in range(len(fcache))]).float()
     out = []
-    for i in layer_ids:
-        x = f.get_tensor(f"layer.{i}").float()
+    for x in feats.chunk(len(layer_ids), dim=-1):
         tok = x.pow(2).mean(-1).sqrt()
         x = x[tok < 4 * tok.median()]
         rms = x.pow(2).mean(0).sqrt() if per == "dim" else x.pow(2).mean().sqrt().expand(x.shape[1])

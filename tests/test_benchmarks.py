@@ -72,6 +72,22 @@ def test_prepare_prompts_drops_planted_benchmark_prompts():
         pick_prompts(corpus, 2, seed=0)
 
 
+def test_pick_prompts_with_answers_skips_cuts_left_without_an_answer():
+    corpus = [  # ShareGPT has records that open with two user turns; cut to one, no answer is left
+        Conversation("two_users", [{"role": "user", "content": "What is the capital of France?"},
+                                   {"role": "user", "content": "And of Spain?"},
+                                   {"role": "assistant", "content": "Paris and Madrid."}]),
+        Conversation("answered", [{"role": "user", "content": "Name a colour."},
+                                  {"role": "assistant", "content": "Blue."}]),
+    ]
+    assert [c.id for c in pick_prompts(corpus, 1, seed=0, max_turns=1, answers=True)] == ["answered"]
+    with pytest.raises(DataError, match="only 1 eligible"):
+        pick_prompts(corpus, 2, seed=0, max_turns=1, answers=True)
+    # prompts only (regeneration writes the answers): both are kept, cut to their first user turn
+    cut = {c.id: c for c in pick_prompts(corpus, 2, seed=0, max_turns=1)}
+    assert [m["content"] for m in cut["two_users"].messages] == ["What is the capital of France?"]
+
+
 def test_cli_benchmarks_and_prepare_data(tmp_path, capsys):
     from vatspec.cli import main
 

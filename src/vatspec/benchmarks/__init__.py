@@ -218,7 +218,7 @@ def prepare_prompts(
             corpus += alpaca_train_prompts()
         else:
             raise ValueError(f"unknown source {s!r}; expected 'sharegpt' or 'alpaca'")
-    picked = pick_prompts(corpus, n, seed, max_turns=max_turns, max_chars=max_chars)
+    picked = pick_prompts(corpus, n, seed, max_turns=max_turns, max_chars=max_chars, answers=answers)
     if out is not None:
         out = Path(out)
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -231,11 +231,14 @@ def prepare_prompts(
 
 
 def pick_prompts(
-    corpus: list[Conversation], n: int, seed: int = 0, *, max_turns: int | None = None, max_chars: int | None = 4096
+    corpus: list[Conversation], n: int, seed: int = 0, *, max_turns: int | None = None, max_chars: int | None = 4096,
+    answers: bool = False,
 ) -> list[Conversation]:
     """``n`` conversations of ``corpus`` in a seeded random order, each cut to its first
     ``max_turns`` user turns, skipping repeats, those with more than ``max_chars`` of user text,
-    and any whose user turn equals or contains a benchmark prompt (``overlaps_benchmark``)."""
+    and any whose user turn equals or contains a benchmark prompt (``overlaps_benchmark``). With
+    ``answers``, also those the cut leaves without an assistant turn (a record that opens with two
+    user turns in a row, cut to one), which training would reject."""
     bench = benchmark_prompts()
     long_bench = [b for b in bench if len(b) >= CONTAIN_MIN_CHARS]
     order = list(range(len(corpus)))
@@ -246,6 +249,8 @@ def pick_prompts(
         if len(picked) == n:
             break
         conv = _cut_turns(corpus[i], max_turns)
+        if answers and not any(m["role"] == "assistant" for m in conv.messages):
+            continue
         key = "\n".join(normalize(p) for p in conv.prompts())
         if key in seen or (max_chars is not None and len(key) > max_chars):
             continue

@@ -8,7 +8,7 @@ k_max tells how a round under any rule would have ended. The rule weighed here, 
 theta and a cap kmax: draft while the draft's probability of its next token is >= theta, at most
 kmax tokens (``--min1``: always at least one). A round that drafts d tokens commits 1 + min(A, d)
 and costs the drafter's work plus one target pass over d + 1 tokens; both costs are timed here
-(median of interleaved repetitions, in AR steps). An EAGLE-3 round under a threshold pays one
+(`calibrate.measure_round_pieces`, in AR steps). An EAGLE-3 round under a threshold pays one
 draft step more than it keeps (the step whose probability stopped it); a DFlash round computes the
 lm_head on every slot it may keep.
 
@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +33,7 @@ import torch
 
 from vatspec import bench, benchmarks
 from vatspec import data as D
+from vatspec.calibrate import measure_round_pieces
 from vatspec.config import load_config
 from vatspec.decode import generate
 from vatspec.drafters.dflash import DFlashSession
@@ -87,45 +86,6 @@ def decode_rounds(target, drafter, prompts, k_max: int, tokens: int, rec: Record
         rows += [{"p": pi, "conf": c[: r.drafted], "drafted": r.drafted, "acc": r.accepted}
                  for r, c in zip(drafting, rec.rounds)]
     return rows
-
-
-@torch.inference_mode()
-def cost_pieces(target, drafter, ids, k_max: int, reps: int) -> dict:
-    """AR step (s), target pass over n = 1..k_max+1 tokens with feature capture and the drafter's
-    extend + propose(k) for k = 0..k_max, both in AR steps; medians of interleaved repetitions."""
-    x = torch.as_tensor(ids, device=target.device)[None]
-    layers = list(drafter.target_layer_ids)
-    tout = target(x, layer_ids=layers, logits=False, use_cache=True)
-    cache = tout.past_key_values
-    session = drafter.new_session()
-    session.extend(tout.features[0], torch.cat([x[0, 1:], x[0, -1:]]))
-    f1, t1 = tout.features[0, -1:], x[0, -1:]
-
-    def timed(fn) -> float:
-        t0 = time.perf_counter()
-        fn()
-        return time.perf_counter() - t0
-
-    def verify(n: int, capture: bool) -> None:
-        out = target(x[:, -1:].expand(1, n), layer_ids=layers if capture else [], past_key_values=cache,
-                     use_cache=True)
-        out.logits[0].argmax(-1).tolist()
-        cache.crop(-n)
-
-    def draft(k: int) -> None:
-        session.extend(f1, t1)
-        session.propose(k).tokens.tolist()
-
-    ar, ver, dra = [], {n: [] for n in range(1, k_max + 2)}, {k: [] for k in range(k_max + 1)}
-    for _ in range(reps + 2):  # the first two passes warm up and are dropped
-        ar.append(timed(lambda: verify(1, False)))
-        for n in ver:
-            ver[n].append(timed(lambda n=n: verify(n, True)))
-        for k in dra:
-            dra[k].append(timed(lambda k=k: draft(k)))
-    a = statistics.median(ar[2:])
-    return {"ar_s": a, "verify": [None] + [statistics.median(ver[n][2:]) / a for n in ver],
-            "draft": [statistics.median(dra[k][2:]) / a for k in dra]}
 
 
 def rule(rows, cost, kind: str, theta: float | None, kmax: int, min1: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -194,7 +154,8 @@ def main() -> None:
             drafter, _ = open_draft(args.report / "runs" / arm, target)
             res[arm] = {name: decode_rounds(target, drafter, ps, args.k_max, args.tokens, rec)
                         for name, ps in sets.items()}
-            res[arm]["cost"] = cost_pieces(target, drafter, sets["calibration"][0], args.k_max, args.reps)
+            pieces = measure_round_pieces(target, drafter, sets["calibration"][0], args.k_max, reps=args.reps)
+            res[arm]["cost"] = {"ar_s": pieces.ar_step_s, "verify": pieces.verify, "draft": pieces.draft}
         args.out.write_text(json.dumps(res))
     res = json.loads(args.out.read_text())
     for arm, sets in res.items():

@@ -131,14 +131,26 @@ def _resampled_speedup(resampled: np.ndarray, cost: Sequence[float]) -> np.ndarr
     return tokens / np.asarray(cost, dtype=float)
 
 
-@torch.inference_mode()
-def measure_round_cost(
-    target, drafter, prompt_ids: Sequence[int], k_max: int, *, reps: int = 7
-) -> tuple[list[float], float]:
-    """``([k_max + 1] round cost in AR steps, seconds of one AR step)`` on one prompt's context.
+@dataclass(frozen=True)
+class RoundCostPieces:
+    """The parts of a round, in AR steps: ``verify[n]`` a target pass over n = 1 .. k_max + 1 tokens with the
+    drafter's feature capture (``verify[0]`` unused, 0), ``draft[k]`` the drafter's ``extend`` + ``propose(k)``
+    for k = 0 .. k_max; ``ar_step_s`` one AR step (a 1-token pass, no capture) in seconds."""
 
-    Every size is timed ``reps`` times, sizes interleaved so drifts of the machine hit all alike;
-    the median is kept. The target's cache is cropped back after each pass."""
+    verify: list[float]
+    draft: list[float]
+    ar_step_s: float
+
+    def cost(self) -> list[float]:
+        """``[k_max + 1]`` round cost: ``cost[k] = draft[k] + verify[k + 1]`` for k >= 1, ``cost[0] = 1``."""
+        return [1.0] + [self.draft[k] + self.verify[k + 1] for k in range(1, len(self.draft))]
+
+
+@torch.inference_mode()
+def measure_round_pieces(target, drafter, prompt_ids: Sequence[int], k_max: int, *, reps: int = 7) -> RoundCostPieces:
+    """``RoundCostPieces`` on one prompt's context. Every piece is timed ``reps`` times, pieces interleaved so
+    drifts of the machine hit all alike, after one warm-up pass each; the median is kept. The target's cache
+    is cropped back after each pass."""
     device = target.device
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     ids = torch.as_tensor(list(prompt_ids), dtype=torch.long, device=device)[None]
@@ -170,16 +182,25 @@ def measure_round_cost(
             session.propose(k).tokens.tolist()
         return run
 
-    ar, ver, dra = [], [[] for _ in range(k_max + 1)], [[] for _ in range(k_max + 1)]
-    for _ in range(reps + 1):  # the first pass of each size warms up and is dropped
+    ar, ver, dra = [], [[] for _ in range(k_max + 2)], [[] for _ in range(k_max + 1)]
+    for _ in range(reps + 1):  # the first pass of each piece warms up and is dropped
         ar.append(timed(verify(1, capture=False)))
-        for k in range(1, k_max + 1):
-            ver[k].append(timed(verify(k + 1, capture=True)))
+        for k in range(k_max + 1):
+            ver[k + 1].append(timed(verify(k + 1, capture=True)))
             dra[k].append(timed(draft(k)))
     ar_s = statistics.median(ar[1:])
-    cost = [1.0] + [(statistics.median(dra[k][1:]) + statistics.median(ver[k][1:])) / ar_s
-                    for k in range(1, k_max + 1)]
-    return cost, ar_s
+    return RoundCostPieces([0.0] + [statistics.median(v[1:]) / ar_s for v in ver[1:]],
+                           [statistics.median(d[1:]) / ar_s for d in dra], ar_s)
+
+
+def measure_round_cost(
+    target, drafter, prompt_ids: Sequence[int], k_max: int, *, reps: int = 7
+) -> tuple[list[float], float]:
+    """``([k_max + 1] round cost in AR steps, seconds of one AR step)`` on one prompt's context: a round drafting
+    k costs the drafter's ``extend`` + ``propose(k)`` and one target pass over k + 1 tokens
+    (``measure_round_pieces``)."""
+    pieces = measure_round_pieces(target, drafter, prompt_ids, k_max, reps=reps)
+    return pieces.cost(), pieces.ar_step_s
 
 
 def calibrate(target, drafter, prompts: Sequence[Sequence[int]], *, k_max: int | None = None,

@@ -6,7 +6,7 @@ maximum: at T = 0 a drafter proposes its argmax) and how many of them verificati
 T = 0 the first d proposals of a round do not depend on how many are asked for, so one decode at
 k_max tells how a round under any rule would have ended. The rule weighed here, for a threshold
 theta and a cap kmax: draft while the draft's probability of its next token is >= theta, at most
-kmax tokens (``--min1``: always at least one). A round that drafts d tokens commits 1 + min(A, d)
+kmax tokens (a variant always drafts at least one). A round that drafts d tokens commits 1 + min(A, d)
 and costs the drafter's work plus one target pass over d + 1 tokens; both costs are timed here
 (`calibrate.measure_round_pieces`, in AR steps). An EAGLE-3 round under a threshold pays one
 draft step more than it keeps (the step whose probability stopped it); a DFlash round computes the
@@ -37,8 +37,7 @@ from vatspec.calibrate import measure_round_pieces
 from vatspec.config import load_config
 from vatspec.decode import generate
 from vatspec.drafters.dflash import DFlashSession
-from vatspec.drafters.eagle3 import Eagle3Session
-from vatspec.drafters.sampling import Proposal
+from vatspec.drafters.eagle3 import Eagle3Drafter, Eagle3Session
 from vatspec.drafts import open_draft
 from vatspec.target import open_target
 from vatspec.train import heldout_split
@@ -48,31 +47,41 @@ THETAS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
 
 
 class Recorder:
-    """Greedy ``propose`` for both sessions that also records each proposal's draft probability."""
+    """Records, around the drafters' own greedy ``propose``, the draft's probability of each token it proposed
+    (the softmax maximum of the draft logits): EAGLE-3's through a hook on its lm_head (the first proposal's
+    logits come from the ``extend`` before the round, the later ones from ``propose``), DFlash's from
+    ``draft_block``. ``rounds[i]``: one list per ``propose``."""
 
     def __init__(self):
         self.rounds: list[list[float]] = []
+        self._seen: list[float] = []
 
-    def eagle3(self, session: Eagle3Session, k: int, **_) -> Proposal:
-        d = session.drafter
-        session._cache.crop(session.committed)
-        tokens, conf = [], []
-        logits, h = session._logits, session._h
-        for j in range(k):
-            if j > 0:  # the training unroll's step: the previous draft token and the pre-norm output
-                h, hn = session._step(d.embed(torch.tensor([[tokens[-1]]], device=h.device)), h)
-                logits = d.lm_head(hn[0, 0])
-            c, i = torch.softmax(logits.float(), -1).max(-1)
-            conf.append(float(c))
-            tokens.append(int(session._tid[i]))
-        self.rounds.append(conf)
-        return Proposal(tokens=torch.tensor(tokens, dtype=torch.long, device=h.device))
+    def see(self, logits: torch.Tensor) -> None:
+        self._seen += torch.softmax(logits.float(), -1).amax(-1).reshape(-1).tolist()
 
-    def dflash(self, session: DFlashSession, k: int, **_) -> Proposal:
-        logits, _ = session.draft_block(k)
-        c, i = torch.softmax(logits.float(), -1).max(-1)
-        self.rounds.append(c.tolist())
-        return Proposal(tokens=i)
+    def install(self) -> None:
+        e3_propose, df_propose, df_block = Eagle3Session.propose, DFlashSession.propose, DFlashSession.draft_block
+
+        def proposing(propose, first_from_extend: bool):
+            def run(session, k, **kw):
+                self._seen = self._seen[-1:] if first_from_extend else []
+                proposal = propose(session, k, **kw)
+                self.rounds.append(self._seen[: len(proposal)])
+                return proposal
+            return run
+
+        def block(session, k=None):
+            logits, hidden = df_block(session, k)
+            self.see(logits)
+            return logits, hidden
+
+        Eagle3Session.propose = proposing(e3_propose, True)
+        DFlashSession.propose = proposing(df_propose, False)
+        DFlashSession.draft_block = block
+
+    def attach(self, drafter) -> None:
+        if isinstance(drafter, Eagle3Drafter):  # its own lm_head (DFlash's logits come from draft_block)
+            drafter.lm_head.register_forward_hook(lambda _m, _i, out: self.see(out))
 
 
 def decode_rounds(target, drafter, prompts, k_max: int, tokens: int, rec: Recorder) -> list[dict]:
@@ -140,8 +149,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if not args.from_json:
         rec = Recorder()
-        Eagle3Session.propose = lambda s, k, **kw: rec.eagle3(s, k, **kw)
-        DFlashSession.propose = lambda s, k, **kw: rec.dflash(s, k, **kw)
+        rec.install()
         target = open_target("default", device="cpu", dtype="float32")
         cfg = load_config(args.report / "runs" / "eagle3" / "config.yaml")
         _, held = heldout_split(D.load_conversations(cfg.data.train), cfg.data, cfg.train.seed)
@@ -152,6 +160,7 @@ def main() -> None:
         res = {}
         for arm in ARMS:
             drafter, _ = open_draft(args.report / "runs" / arm, target)
+            rec.attach(drafter)
             res[arm] = {name: decode_rounds(target, drafter, ps, args.k_max, args.tokens, rec)
                         for name, ps in sets.items()}
             pieces = measure_round_pieces(target, drafter, sets["calibration"][0], args.k_max, reps=args.reps)

@@ -479,3 +479,17 @@ def test_a_device_map_target_trains_as_the_plain_load(tiny_target_dir, data_file
                        "drafter.mask_token_id=16", *extra), progress=False)
     for kind in ("eagle3", "dflash"):
         assert _losses(runs["mapped"] / kind) == _losses(runs["plain"] / kind)
+
+
+def test_heldout_pool_draws_the_split_from_the_first_items_only():
+    from vatspec.train import heldout_split
+
+    plain = load_config(None, ["data.heldout_fraction=0.1", "data.heldout_max=16"]).data
+    pooled = load_config(None, ["data.heldout_fraction=0.1", "data.heldout_max=16", "data.heldout_pool=200"]).data
+    items = list(range(700))
+    train, held = heldout_split(items, pooled, seed=3)
+    # the split a file of the first 200 items alone gets: the same held-out set, the rest all train
+    assert held == heldout_split(items[:200], plain, seed=3)[1] and len(held) == 16
+    assert sorted(train + held) == items and set(range(200, 700)) <= set(train)
+    assert heldout_split(items, plain, seed=3)[1] != held  # without the pool the split spans all 700
+    assert heldout_split(items[:50], pooled, seed=3) == heldout_split(items[:50], plain, seed=3)  # pool > items

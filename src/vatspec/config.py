@@ -55,6 +55,9 @@ class DataConfig:
     heldout: str = ""  # optional separate held-out file (a feature cache with `features`); else a split
     heldout_fraction: float = 0.05
     heldout_max: int = 64  # at most this many held-out conversations
+    # the held-out split draws from the first N training conversations only (0: from all): for a training file
+    # whose first rows are the kind to score on (the long recipe: regenerated answers before original ones)
+    heldout_pool: int = 0
     max_length: int = 2048
     batch_size: int = 1
     skip_bad: bool = False  # skip malformed records (counted) instead of failing
@@ -199,6 +202,7 @@ def _within(lo: float, hi: float, closed: str, optional: bool = False):
 RANGES: dict[str, tuple] = {
     "data.heldout_fraction": _within(0, 1, "[)"),
     "data.heldout_max": _at_least(0),
+    "data.heldout_pool": _at_least(0),
     "data.max_length": _at_least(2),
     "data.batch_size": _at_least(1),
     "drafter.draft_vocab_size": _at_least(1),

@@ -520,11 +520,14 @@ def train_arms(cfgs: list[Config], *, resume: bool = False, init_from: str | Non
 
 def heldout_split(items: list, data_cfg, seed: int) -> tuple[list, list]:
     """(train, held-out) items as training splits them when ``data.heldout`` is not given:
-    ``heldout_fraction`` of the items, at most ``heldout_max``, at least 1 (none of a single item)."""
+    ``heldout_fraction`` of the first ``heldout_pool`` items (0: of all), at most ``heldout_max``, at
+    least 1 (none of a single item); the items after the pool all train."""
     from vatspec import data as D
 
-    n_held = min(data_cfg.heldout_max, max(1, round(len(items) * data_cfg.heldout_fraction)))
-    return D.split_heldout(items, n_held if len(items) > 1 else 0, seed=seed)
+    pool = min(data_cfg.heldout_pool or len(items), len(items))
+    n_held = min(data_cfg.heldout_max, max(1, round(pool * data_cfg.heldout_fraction)))
+    train, held = D.split_heldout(items[:pool], n_held if pool > 1 else 0, seed=seed)
+    return train + list(items[pool:]), held
 
 
 def _build_arm(cfg: Config, target, counts, total: int, world: int, device, init_from) -> Arm:

@@ -152,3 +152,30 @@ def test_seeds_report_the_vat_difference_across_seeds(tmp_path):
 def test_redecode_needs_a_finished_demo(tmp_path):
     with pytest.raises(DemoError, match="demo.json: not the record of a finished demo"):
         redecode_demo(tmp_path, progress=False)
+
+
+def test_original_answers_follow_the_regenerated_set(tmp_path):
+    from vatspec import data as D
+    from vatspec.benchmarks import prepare_prompts
+    from vatspec.demo import add_original_answers
+
+    # a "regenerated" set of the first four conversations the original answers draw: each must be skipped
+    drawn = prepare_prompts(4, seed=1, sources=("sharegpt",), max_turns=1, max_chars=600, answers=True)
+    regen_path = tmp_path / "regen.jsonl"
+    regen_path.write_text("".join(json.dumps({"id": c.id, "messages": [
+        *(m for m in c.messages if m["role"] != "assistant"), {"role": "assistant", "content": "an answer"}]}) + "\n"
+        for c in drawn))
+    regen = D.load_conversations(regen_path)
+    size = dataclasses.replace(SIZES["quick"], prompts=4, seed=0, original_answers=6)
+    out, info = add_original_answers(regen_path, size)
+    convs = D.load_conversations(out)
+    assert info["regenerated"] == 4 and info["original_answers"] == 6 and len(convs) == 10
+    assert [c.to_json() for c in convs[:4]] == [c.to_json() for c in regen]
+    extra = convs[4:]
+    assert {c.id for c in extra}.isdisjoint(c.id for c in regen)
+    assert {tuple(c.prompts()) for c in extra}.isdisjoint(tuple(c.prompts()) for c in regen)
+    assert all(c.has_assistant for c in extra) and len({c.id for c in extra}) == 6
+    stamp = out.stat().st_mtime_ns
+    assert add_original_answers(regen_path, size)[0] == out and out.stat().st_mtime_ns == stamp  # unchanged
+    with pytest.raises(DemoError, match="regen.jsonl: 4 conversations, not the 5"):
+        add_original_answers(regen_path, dataclasses.replace(size, prompts=5))

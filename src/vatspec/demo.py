@@ -162,6 +162,9 @@ def add_original_answers(regen_path: Path, size: DemoSize) -> tuple[Path, dict]:
 
     t0 = time.perf_counter()
     regen = D.load_conversations(regen_path)
+    if len(regen) != size.prompts:  # data.heldout_pool counts on it: the held-out split must stay regenerated
+        raise DemoError(f"{regen_path}: {len(regen)} conversations, not the {size.prompts} regenerated prompts; "
+                        "delete it and run the demo again")
 
     def key(c):
         return "\n".join(normalize(p) for p in c.prompts())

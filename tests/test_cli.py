@@ -99,6 +99,8 @@ def test_demo_sizes_full_and_seeds(capsys):
     full = mod.size_of(parser.parse_args(["--full"]))
     assert full == SIZES["full"] and full.seeds == 5  # the long recipe reports a mean over 5 seeds
     assert mod.size_of(parser.parse_args(["--quick", "--seeds", "2"])).seeds == 2
+    assert full.original_answers == 0  # 1,024 measured and not kept (docs/results.md, run 10)
+    assert mod.size_of(parser.parse_args(["--full", "--original-answers", "1024"])).original_answers == 1024
     assert SIZES["default"].precision == "auto" and mod.size_of(parser.parse_args(["--precision", "fp32"])).precision \
         == "fp32"
     with pytest.raises(SystemExit):

@@ -76,8 +76,9 @@ class DemoSize:
     seeds: int = 1  # training seeds per arm (seed, seed + 1, ...): > 1 reports the VAT difference across seeds
     # ShareGPT conversations with their original answers, listed after the regenerated ones (0: none): each costs a
     # feature-cache pass, not a regeneration, and the held-out split stays on the regenerated ones
-    # (data.heldout_pool). 1,024 beside the long recipe's 496: held-out tau_sim EAGLE-3 +0.046 / +0.043 / +0.080 at
-    # 400 / 800 / 2000 steps, DFlash -0.039 / +0.043 / +0.103 at 400 / 800 / 1600 (one seed; docs/results.md)
+    # (data.heldout_pool). Off: 1,024 beside the long recipe's 512 moved its five seeds' held-out tau_sim by -0.009
+    # [-0.069, +0.052] (EAGLE-3) and -0.034 [-0.074, +0.006] (DFlash) at 400 steps (run 10), though one-seed pilots
+    # had them ahead at 2000 steps (EAGLE-3 +0.080, DFlash +0.103 at 1600; docs/results.md)
     original_answers: int = 0
     # train.precision: "auto" = bf16 autocast where the CPU multiplies bf16 natively (AVX512-BF16 / AMX:
     # 1.86x faster steps on the 2-core machine, drafts as good per step; docs/results.md), else fp32
@@ -113,8 +114,7 @@ SIZES = {
     # the long recipe (`vatspec demo --full`; budget 2 h on 2 cores from an empty cache: 76.4 min on an AMX Xeon
     # (run 9), about 2 h 25 min projected on a slow EPYC day of 1.5x slower AR steps; docs/results.md):
     # 5 seeds, since 3 left every VAT interval across seeds wide (t(2) = 4.30 against t(4) = 2.78)
-    "full": DemoSize(prompts=512, steps=400, anchors=32, eval_every=80, eval_prompts=3, eval_tokens=64, seeds=5,
-                     original_answers=1024),
+    "full": DemoSize(prompts=512, steps=400, anchors=32, eval_every=80, eval_prompts=3, eval_tokens=64, seeds=5),
 }
 
 ARMS = {  # report name -> (drafter kind, loss kind)

@@ -1,7 +1,7 @@
 """``vatspec demo``: baselines vs VAT for both drafters on the embedded default target
 (``vatspec.demo.run_demo``), written as a report folder.
 
-    vatspec demo [--quick | --full] [--seeds N] [--out reports/demo]
+    vatspec demo [--quick | --full] [--seeds N] [--original-answers N] [--out reports/demo]
     vatspec demo --redecode [--out reports/demo]     # steps 4-5 again on its trained drafts
 """
 
@@ -30,6 +30,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", type=int_arg(2), help="override the number of training conversations")
     parser.add_argument("--eval-prompts", type=int_arg(1), help="override prompts per benchmark")
     parser.add_argument("--seeds", type=int_arg(1), help="override the number of training seeds per arm")
+    parser.add_argument("--original-answers", type=int_arg(0),
+                        help="train also on N ShareGPT conversations with their original answers, after the "
+                             "regenerated ones (default 0; the held-out split stays on the regenerated ones)")
     parser.add_argument("--precision", choices=["auto", "fp32", "bf16"],
                         help="training precision (default auto: bf16 autocast where the CPU multiplies bf16 in "
                              "hardware, AVX512-BF16 or AMX, else fp32)")
@@ -45,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.redecode:
             sized = [f"--{f.replace('_', '-')}" for f in ("quick", "full", "steps", "prompts", "eval_prompts", "seeds",
-                                                          "precision")
+                                                          "original_answers", "precision")
                      if getattr(args, f) not in (None, False)]
             if sized:
                 raise DemoError(f"--redecode decodes the demo in --out at its recorded size: drop {' '.join(sized)}")
@@ -59,11 +62,11 @@ def run(args: argparse.Namespace) -> int:
 
 def size_of(args: argparse.Namespace) -> DemoSize:
     """``--quick`` / ``--full`` pick the size; ``--steps``, ``--prompts``, ``--eval-prompts``, ``--seeds``,
-    ``--precision`` override it."""
+    ``--original-answers``, ``--precision`` override it."""
     size = SIZES["quick" if args.quick else "full" if args.full else "default"]
     changes = {k: v for k, v in (("steps", args.steps), ("prompts", args.prompts),
                                  ("eval_prompts", args.eval_prompts), ("seeds", args.seeds),
-                                 ("precision", args.precision))
+                                 ("original_answers", args.original_answers), ("precision", args.precision))
                if v is not None}
     return dataclasses.replace(size, **changes)
 

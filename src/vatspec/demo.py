@@ -78,7 +78,7 @@ class DemoSize:
     # feature-cache pass, not a regeneration, and the held-out split stays on the regenerated ones
     # (data.heldout_pool). Off: 1,024 beside the long recipe's 512 moved its five seeds' held-out tau_sim by -0.009
     # [-0.069, +0.052] (EAGLE-3) and -0.034 [-0.074, +0.006] (DFlash) at 400 steps (run 10), though one-seed pilots
-    # had them ahead at 2000 steps (EAGLE-3 +0.080, DFlash +0.103 at 1600; docs/results.md)
+    # had them ahead at 2000 steps (EAGLE-3 +0.080 and +0.119 in two seeds, DFlash +0.103 at 1600; docs/results.md)
     original_answers: int = 0
     # train.precision: "auto" = bf16 autocast where the CPU multiplies bf16 natively (AVX512-BF16 / AMX:
     # 1.86x faster steps on the 2-core machine, drafts as good per step; docs/results.md), else fp32

@@ -158,27 +158,22 @@ def add_original_answers(regen_path: Path, size: DemoSize) -> tuple[Path, dict]:
     original answers (first turn, prompt <= 600 characters, drawn with seed + 1), none with the id or the
     prompt of a regenerated one: ``<regen>+answers<N>.jsonl`` beside it, rewritten only when it would change."""
     from vatspec import data as D
-    from vatspec.benchmarks import normalize, prepare_prompts
+    from vatspec.benchmarks import prepare_prompts, prompt_key
+    from vatspec.features.format import atomic_write
 
     t0 = time.perf_counter()
     regen = D.load_conversations(regen_path)
     if len(regen) != size.prompts:  # data.heldout_pool counts on it: the held-out split must stay regenerated
         raise DemoError(f"{regen_path}: {len(regen)} conversations, not the {size.prompts} regenerated prompts; "
                         "delete it and run the demo again")
-
-    def key(c):
-        return "\n".join(normalize(p) for p in c.prompts())
-
-    ids, keys = {c.id for c in regen}, {key(c) for c in regen}
+    ids, keys = {c.id for c in regen}, {prompt_key(c) for c in regen}
     drawn = prepare_prompts(size.original_answers + len(regen), seed=size.seed + 1, sources=("sharegpt",),
                             max_turns=1, max_chars=600, answers=True)
-    extra = [c for c in drawn if c.id not in ids and key(c) not in keys][: size.original_answers]
+    extra = [c for c in drawn if c.id not in ids and prompt_key(c) not in keys][: size.original_answers]
     out = regen_path.with_name(f"{regen_path.stem}+answers{size.original_answers}.jsonl")
     text = "".join(json.dumps(c.to_json(), ensure_ascii=False) + "\n" for c in [*regen, *extra])
     if not out.is_file() or out.read_text(encoding="utf-8") != text:
-        tmp = out.with_name(out.name + ".tmp")
-        tmp.write_text(text, encoding="utf-8")
-        tmp.replace(out)
+        atomic_write(out, text.encode("utf-8"))
     return out, {"path": str(out), "regenerated": len(regen), "original_answers": len(extra),
                  "seconds": time.perf_counter() - t0}
 

@@ -94,6 +94,11 @@ def normalize(text: str) -> str:
     return re.sub(r"\s+", " ", text).strip().lower()
 
 
+def prompt_key(conv: Conversation) -> str:
+    """A conversation's user turns, normalized: two conversations with the same key ask the same."""
+    return "\n".join(normalize(p) for p in conv.prompts())
+
+
 def benchmark_prompts() -> set[str]:
     """Normalised text of every prompt of every bundled benchmark, all turns, raw and wrapped."""
     out: set[str] = set()
@@ -251,7 +256,7 @@ def pick_prompts(
         conv = _cut_turns(corpus[i], max_turns)
         if answers and not any(m["role"] == "assistant" for m in conv.messages):
             continue
-        key = "\n".join(normalize(p) for p in conv.prompts())
+        key = prompt_key(conv)
         if key in seen or (max_chars is not None and len(key) > max_chars):
             continue
         if overlaps_benchmark(conv, bench, long_bench):

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check (scripts/gpu_check.py): random-weight Llama-3-8B- and Qwen3-8B-shaped targets built
 # in code, EAGLE-3 and DFlash trained with their baseline loss and with VAT in bf16, step time, tokens/s,
-# peak memory, the VAT / baseline step-time ratio, and greedy decoding checked against HF generate.
+# peak memory, the VAT / baseline step-time ratio, and greedy decoding checked against HF generate
+# (bf16: where outputs part and by how many bf16 spacings; float32: token for token).
 # No network, nothing but this repository: the machine's own python3 (torch, transformers) runs it.
 #   bash scripts/gpu_check.sh [OUT_DIR]      -> OUT_DIR/gpu_check.json (default: .)
 set -euo pipefail

@@ -226,8 +226,8 @@ def main(argv: list[str] | None = None) -> int:
                     if device.type == "cuda":
                         torch.cuda.empty_cache()
                 drafter = arm.pop("_drafter")
-                if loss == "vat":
-                    drafters[f"{kind}/{loss}"] = drafter
+                if loss == "vat":  # parked on the CPU so the next arms' peak memory is theirs alone
+                    drafters[f"{kind}/{loss}"] = drafter.cpu()
                 del drafter
                 res["arms"][f"{kind}/{loss}"] = arm
                 print(f"{name} {kind}/{loss}: step {arm['step_s_median'] * 1e3:.1f} ms, "
@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
             for arm_name, drafter in drafters.items():
                 key = "decode" if dtype is None else "decode_fp32"
                 try:
-                    d = decode_check(target, drafter, args, device)  # float32 draft weights, as trained
+                    d = decode_check(target, drafter.to(device), args, device)  # float32 draft weights, as trained
                 except Exception as e:  # noqa: BLE001 - reported in the JSON and the exit status
                     res["errors"][f"{arm_name}/{key}"] = traceback.format_exc()
                     print(f"{name} {arm_name} {key}: FAILED {type(e).__name__}: {e}", flush=True)

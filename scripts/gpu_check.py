@@ -34,6 +34,7 @@ from vatspec.config import OptimConfig, load_config
 from vatspec.data.batching import Batch
 from vatspec.decode import generate
 from vatspec.drafters import build_drafter, plan_batch
+from vatspec.features.format import atomic_write
 from vatspec.optim import build_optimizer
 from vatspec.target import Target
 from vatspec.train import TrainModule, arm_step, precision_context, shared_target_pass, step_generator
@@ -159,19 +160,17 @@ def decode_check(target: Target, drafter, args, device: torch.device) -> dict:
             with torch.no_grad():
                 logits = target.model(prefix[None]).logits[0, -1].float()
             a, b = hf[at], ours.tokens[at]
-            divergences.append({"prompt": j, "at": at, "hf_token": a, "ours_token": b,
-                                "logit_gap": float(logits[a] - logits[b]), "top_logit": float(logits.max()),
-                                "top2_gap": float(logits.topk(2).values.diff().abs()),
-                                "gap_in_bf16_ulps": abs(float(logits[a] - logits[b])) / bf16_ulp(float(logits.max()))})
+            gap, top = float(logits[a] - logits[b]), float(logits.max())
+            divergences.append({"prompt": j, "at": at, "hf_token": a, "ours_token": b, "logit_gap": gap,
+                                "top_logit": top, "top2_gap": float(logits.topk(2).values.diff().abs()),
+                                "gap_in_bf16_ulps": abs(gap) / bf16_ulp(top)})
     return {"dtype": str(target.dtype).removeprefix("torch."), "prompts": n, "equal_to_hf_generate": equal,
             "tau": sum(taus) / n, "divergences": divergences}
 
 
 def write_report(out: Path, report: dict, t_start: float) -> None:
     report["wall_s"] = time.perf_counter() - t_start
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps(report, indent=2) + "\n")
-    tmp.replace(out)
+    atomic_write(out, (json.dumps(report, indent=2) + "\n").encode())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -241,12 +240,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name} {kind}: VAT / baseline step time {ratio:.3f}")
         # decoding: in the training dtype (bf16 on a GPU: equality is not expected, see decode_check),
         # then with the target and the drafts in float32, where it must hold exactly
-        dtypes = [None] + ([torch.float32] if target.dtype != torch.float32 else [])
-        for dtype in dtypes:
+        passes = [("decode", None)] + ([("decode_fp32", torch.float32)] if target.dtype != torch.float32 else [])
+        for key, dtype in passes:
             if dtype is not None:
                 target.model.to(dtype)
             for arm_name, drafter in drafters.items():
-                key = "decode" if dtype is None else "decode_fp32"
                 try:
                     d = decode_check(target, drafter.to(device), args, device)  # float32 draft weights, as trained
                 except Exception as e:  # noqa: BLE001 - reported in the JSON and the exit status

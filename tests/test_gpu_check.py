@@ -13,10 +13,15 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.py"
 
 
-def test_gpu_check_runs_on_tiny_shapes(tmp_path):
+def load_script():
     spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    return mod
+
+
+def test_gpu_check_runs_on_tiny_shapes(tmp_path):
+    mod = load_script()
     out = tmp_path / "gpu_check.json"
     assert mod.main(["--small", "--device", "cpu", "--steps", "2", "--warmup", "0", "--decode-prompts", "1",
                      "--decode-tokens", "8", "--targets", "qwen3-8b-shaped", "--out", str(out)]) == 0
@@ -37,9 +42,7 @@ def test_gpu_check_bf16_decode_parts_only_at_ties_and_float32_is_exact(tmp_path)
     """The bf16 path the GPU runs, here on the CPU: verification's k + 1-position forward and
     generate's one-position forward round differently in bf16, so greedy outputs may part, but only
     where the two tokens' logits are (nearly) tied; with the target cast to float32 they are equal."""
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script()
     out = tmp_path / "gpu_check.json"
     assert mod.main(["--small", "--device", "cpu", "--precision", "bf16", "--steps", "1", "--warmup", "0",
                      "--decode-prompts", "4", "--decode-tokens", "24", "--targets", "qwen3-8b-shaped",

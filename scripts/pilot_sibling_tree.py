@@ -47,6 +47,7 @@ from vatspec.decode import generate
 from vatspec.drafters.dflash import DFlashDrafter, DFlashSession
 from vatspec.drafters.eagle3 import Eagle3Session
 from vatspec.drafts import open_draft
+from vatspec.stats import paired_difference
 from vatspec.target import open_target
 from vatspec.train import heldout_split
 
@@ -125,16 +126,14 @@ def speedup(com, cst) -> float:
     return float(com.sum() / cst.sum())
 
 
-def paired_bootstrap(rows, a, b, resamples: int = 2000, seed: int = 0) -> tuple[float, float, float]:
-    """Speedup of tree a minus tree b, resampling prompts: (estimate, 2.5%, 97.5%)."""
+def per_prompt_difference(rows, a, b) -> tuple[float, float, float]:
+    """Speedup of tree a minus tree b (each a pooled ratio: committed / cost), prompts resampled:
+    (estimate, 2.5%, 97.5%)."""
     prompts = np.array([r["p"] for r in rows])
     groups = [np.flatnonzero(prompts == p) for p in np.unique(prompts)]
-    rng = np.random.default_rng(seed)
-    diffs = []
-    for _ in range(resamples):
-        pick = np.concatenate([groups[j] for j in rng.integers(0, len(groups), len(groups))])
-        diffs.append(speedup(a[0][pick], a[1][pick]) - speedup(b[0][pick], b[1][pick]))
-    return speedup(*a) - speedup(*b), float(np.percentile(diffs, 2.5)), float(np.percentile(diffs, 97.5))
+    com_a, cst_a, com_b, cst_b = ([x[g].sum() for g in groups] for x in (*a, *b))
+    d = paired_difference(com_a, com_b, cst_a, cst_b)
+    return d.estimate, d.low, d.high
 
 
 def main() -> None:
@@ -190,12 +189,12 @@ def main() -> None:
                 for s, m, d in shapes(m_max, n_max)))
         name, m, d = max(shapes(m_max, n_max), key=lambda s: speedup(*tree(cal, cost, s[1], s[2])))
         best, base = tree(held, cost, m, d), tree(held, cost, 1, 1)
-        est, lo, hi = paired_bootstrap(held, best, base)
+        est, lo, hi = per_prompt_difference(held, best, base)
         print(f"   best on calibration: {name}; on the benchmarks tau {best[0].mean():.3f} {speedup(*best):.3f}x "
               f"against k = 1's tau {base[0].mean():.3f} {speedup(*base):.3f}x: {est:+.3f} [{lo:+.3f}, {hi:+.3f}] "
               "(95%, prompts resampled)")
         for mm in range(2, min(m_max, n_max - 1) + 1):  # each sibling count against k = 1
-            e, lo, hi = paired_bootstrap(held, tree(held, cost, mm, 1), base)
+            e, lo, hi = per_prompt_difference(held, tree(held, cost, mm, 1), base)
             print(f"   siblings {mm} - chain 1 on the benchmarks: {e:+.3f} [{lo:+.3f}, {hi:+.3f}]")
 
 

@@ -97,6 +97,32 @@ def decode_rounds(target, drafter, prompts, k_max: int, tokens: int, rec: Record
     return rows
 
 
+def pilot_parser(doc: str) -> argparse.ArgumentParser:
+    """The options of a pilot that decodes a demo report's drafts on ``prompt_sets`` and times round costs."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap.add_argument("report", type=Path, help="a demo report folder (its runs/<arm> drafts)")
+    ap.add_argument("--out", type=Path, required=True, help="JSON of every round and the costs")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--calibration", type=int, default=16, help="held-out training prompts")
+    ap.add_argument("--per-bench", type=int, default=6, help="prompts of each bundled benchmark, from the 3rd")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--from-json", action="store_true", help="only re-analyse --out")
+    return ap
+
+
+def prompt_sets(report: Path, tokenizer, calibration: int, per_bench: int) -> dict[str, list[list[int]]]:
+    """Prompt token ids by set: ``calibration``, the first held-out training prompts of the report's split (what
+    the demo's calibration decodes), then each bundled benchmark's prompts 2..(2 + per_bench) (the demo
+    evaluates 0 and 1)."""
+    cfg = load_config(report / "runs" / "eagle3" / "config.yaml")
+    _, held = heldout_split(D.load_conversations(cfg.data.train), cfg.data, cfg.train.seed)
+    sets = {"calibration": [bench.prompt_ids(tokenizer, c) for c in held[:calibration]]}
+    for b in benchmarks.list_benchmarks():
+        sets[b] = [bench.prompt_ids(tokenizer, c) for c in benchmarks.load_benchmark(b)[2 : 2 + per_bench]]
+    return sets
+
+
 def rule(rows, cost, kind: str, theta: float | None, kmax: int, min1: bool) -> tuple[np.ndarray, np.ndarray]:
     """Per round (committed tokens, cost in AR steps) under fixed k = kmax (theta None) or the threshold rule."""
     com, cst = np.empty(len(rows)), np.empty(len(rows))
@@ -135,28 +161,15 @@ def paired_bootstrap(rows, a, b, resamples: int = 2000, seed: int = 0) -> tuple[
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("report", type=Path, help="a demo report folder (its runs/<arm> drafts)")
-    ap.add_argument("--out", type=Path, required=True, help="JSON of every round and the costs")
+    ap = pilot_parser(__doc__)
     ap.add_argument("--k-max", type=int, default=3)
-    ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--calibration", type=int, default=16, help="held-out training prompts")
-    ap.add_argument("--per-bench", type=int, default=6, help="prompts of each bundled benchmark, from the 3rd")
-    ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--from-json", action="store_true", help="only re-analyse --out")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if not args.from_json:
         rec = Recorder()
         rec.install()
         target = open_target("default", device="cpu", dtype="float32")
-        cfg = load_config(args.report / "runs" / "eagle3" / "config.yaml")
-        _, held = heldout_split(D.load_conversations(cfg.data.train), cfg.data, cfg.train.seed)
-        sets = {"calibration": [bench.prompt_ids(target.tokenizer, c) for c in held[: args.calibration]]}
-        for b in benchmarks.list_benchmarks():
-            sets[b] = [bench.prompt_ids(target.tokenizer, c)
-                       for c in benchmarks.load_benchmark(b)[2 : 2 + args.per_bench]]
+        sets = prompt_sets(args.report, target.tokenizer, args.calibration, args.per_bench)
         res = {}
         for arm in ARMS:
             drafter, _ = open_draft(args.report / "runs" / arm, target)

@@ -32,24 +32,19 @@ no tree beat k = 1.
 
 from __future__ import annotations
 
-import argparse
 import json
-from pathlib import Path
 
 import numpy as np
 import torch
+from pilot_confidence_gate import pilot_parser, prompt_sets  # scripts/ is on the path of a script run from it
 
-from vatspec import bench, benchmarks
-from vatspec import data as D
 from vatspec.calibrate import measure_round_pieces
-from vatspec.config import load_config
 from vatspec.decode import generate
 from vatspec.drafters.dflash import DFlashDrafter, DFlashSession
 from vatspec.drafters.eagle3 import Eagle3Session
 from vatspec.drafts import open_draft
 from vatspec.stats import paired_difference
 from vatspec.target import open_target
-from vatspec.train import heldout_split
 
 ARMS = ("eagle3", "eagle3_vat", "dflash", "dflash_vat")
 K = 2  # drafted tokens per recorded round
@@ -137,28 +132,15 @@ def per_prompt_difference(rows, a, b) -> tuple[float, float, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("report", type=Path, help="a demo report folder (its runs/<arm> drafts)")
-    ap.add_argument("--out", type=Path, required=True, help="JSON of every round and the costs")
+    ap = pilot_parser(__doc__)
     ap.add_argument("--m-max", type=int, default=4, help="most candidates for slot 1")
-    ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--calibration", type=int, default=16, help="held-out training prompts")
-    ap.add_argument("--per-bench", type=int, default=6, help="prompts of each bundled benchmark, from the 3rd")
-    ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--from-json", action="store_true", help="only re-analyse --out")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if not args.from_json:
         rec = Recorder(args.m_max)
         rec.install()
         target = open_target("default", device="cpu", dtype="float32")
-        cfg = load_config(args.report / "runs" / "eagle3" / "config.yaml")
-        _, held = heldout_split(D.load_conversations(cfg.data.train), cfg.data, cfg.train.seed)
-        sets = {"calibration": [bench.prompt_ids(target.tokenizer, c) for c in held[: args.calibration]]}
-        for b in benchmarks.list_benchmarks():
-            sets[b] = [bench.prompt_ids(target.tokenizer, c)
-                       for c in benchmarks.load_benchmark(b)[2 : 2 + args.per_bench]]
+        sets = prompt_sets(args.report, target.tokenizer, args.calibration, args.per_bench)  # the gate pilot's
         res = {}
         for arm in ARMS:
             drafter, _ = open_draft(args.report / "runs" / arm, target)

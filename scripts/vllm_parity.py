@@ -1,6 +1,6 @@
 """Do exported drafts decode in vLLM as they do in vatspec? Same prompts, same k, greedy, both engines.
 
-For each draft (a run or checkpoint folder), `vatspec export` writes its served folder (float32; EAGLE-3
+For each draft (a run or checkpoint folder), `vatspec export` writes its served folder (``--dtype``; EAGLE-3
 as ``--eagle3-format``, `eagle3-hf` by default, DFlash as `dflash`); vatspec's decode loop opens that
 folder (the weights vLLM reads) and decodes the bundled benchmarks' prompts 2..(2 + --per-bench) at
 temperature 0 with k drafted tokens per round; then `scripts/vllm_generate.py`, run by ``--vllm-python``
@@ -72,6 +72,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--eagle3-format", choices=("eagle3-hf", "speculators"), default="eagle3-hf",
                     help="the export format of EAGLE-3 drafts (DFlash drafts: dflash)")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="the exported weights and vLLM's model dtype (vatspec decodes in float32 either way)")
     ap.add_argument("--skip-vllm", action="store_true", help="reuse --out/vllm.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -92,7 +94,7 @@ def main() -> None:
         kind = load_config(run / "config.yaml").drafter.kind  # a run folder and each checkpoint hold one
         fmt = ["--format", args.eagle3_format] if kind == "eagle3" else []
         subprocess.run([sys.executable, "-m", "vatspec.cli", "export", str(run), "--out", str(served[name]),
-                        "--dtype", "float32", "--force", *fmt], check=True, stdout=subprocess.DEVNULL)
+                        "--dtype", args.dtype, "--force", *fmt], check=True, stdout=subprocess.DEVNULL)
     mine = {"target": ours(target, None, prompts, args.k, args.max_tokens)}
     for name, path in served.items():
         drafter, _ = open_draft(path, target)
@@ -101,7 +103,7 @@ def main() -> None:
     if not args.skip_vllm:
         cmd = [args.vllm_python, str(HERE / "vllm_generate.py"), "--target", str(target.path),
                "--prompts", str(args.out / "prompts.json"), "--out", str(args.out / "vllm.json"),
-               "--k", str(args.k), "--max-tokens", str(args.max_tokens)]
+               "--k", str(args.k), "--max-tokens", str(args.max_tokens), "--dtype", args.dtype]
         cmd += [f"--draft={n}={p}" for n, p in served.items()]
         subprocess.run(cmd, check=True)
     theirs = json.loads((args.out / "vllm.json").read_text())

@@ -36,7 +36,9 @@ import json
 
 import numpy as np
 import torch
-from pilot_confidence_gate import pilot_parser, prompt_sets  # scripts/ is on the path of a script run from it
+
+# scripts/ is on the path of a script run from it: the confidence-gate pilot's arms, options, prompts and speedup
+from pilot_confidence_gate import ARMS, pilot_parser, prompt_sets, speedup
 
 from vatspec.calibrate import measure_round_pieces
 from vatspec.decode import generate
@@ -46,7 +48,6 @@ from vatspec.drafts import open_draft
 from vatspec.stats import paired_difference
 from vatspec.target import open_target
 
-ARMS = ("eagle3", "eagle3_vat", "dflash", "dflash_vat")
 K = 2  # drafted tokens per recorded round
 
 
@@ -117,10 +118,6 @@ def tree(rows, cost, m: int, depth: int) -> tuple[np.ndarray, np.ndarray]:
     return com, cst
 
 
-def speedup(com, cst) -> float:
-    return float(com.sum() / cst.sum())
-
-
 def per_prompt_difference(rows, a, b) -> tuple[float, float, float]:
     """Speedup of tree a minus tree b (each a pooled ratio: committed / cost), prompts resampled:
     (estimate, 2.5%, 97.5%)."""
@@ -140,7 +137,7 @@ def main() -> None:
         rec = Recorder(args.m_max)
         rec.install()
         target = open_target("default", device="cpu", dtype="float32")
-        sets = prompt_sets(args.report, target.tokenizer, args.calibration, args.per_bench)  # the gate pilot's
+        sets = prompt_sets(args.report, target.tokenizer, args.calibration, args.per_bench)
         res = {}
         for arm in ARMS:
             drafter, _ = open_draft(args.report / "runs" / arm, target)
@@ -161,14 +158,14 @@ def main() -> None:
         m_max = len(cal[0]["top"])
         # at T = 0 the chain's first draft is the top-1 candidate: accepted exactly when it is the target's token
         odd = sum((r["acc"] >= 1) != (r["y"] == r["top"][0]) for r in cal + held)
-        print(f"== {arm}: AR step {cost['ar_s'] * 1e3:.1f} ms; target pass over 1..{len(cost['verify']) - 1} "
+        print(f"== {arm}: AR step {cost['ar_s'] * 1e3:.1f} ms; target pass over 1..{n_max} "
               "tokens " + " ".join(f"{v:.2f}" for v in cost["verify"][1:]) + " AR steps; drafter, k = 0.."
               f"{len(cost['draft']) - 1}: " + " ".join(f"{v:.3f}" for v in cost["draft"])
               + f"; rounds where top-1 and acceptance disagree: {odd}")
         for name, rows in (("calibration", cal), ("benchmarks", held)):
+            scored = [(s, tree(rows, cost, m, d)) for s, m, d in shapes(m_max, n_max)]
             print(f"   {name} ({len(rows)} rounds): " + "  ".join(
-                f"{s}: tau {tree(rows, cost, m, d)[0].mean():.3f} {speedup(*tree(rows, cost, m, d)):.3f}x"
-                for s, m, d in shapes(m_max, n_max)))
+                f"{s}: tau {com.mean():.3f} {speedup(com, cst):.3f}x" for s, (com, cst) in scored))
         name, m, d = max(shapes(m_max, n_max), key=lambda s: speedup(*tree(cal, cost, s[1], s[2])))
         best, base = tree(held, cost, m, d), tree(held, cost, 1, 1)
         est, lo, hi = per_prompt_difference(held, best, base)

@@ -40,7 +40,6 @@ Environment (CPU, no GPU; ~2 min):
 
 from __future__ import annotations
 
-import argparse
 import gc
 import importlib.machinery
 import json
@@ -164,30 +163,16 @@ def run(target: str, draft: Path | None, k: int, prompts: list, max_tokens: int,
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--target", required=True, help="the target's HF folder (safetensors)")
-    ap.add_argument("--prompts", type=Path, required=True)
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--draft", action="append", default=[], help="NAME=DIR of an exported EAGLE-3 draft (repeatable)")
-    ap.add_argument("--k", type=int, default=1, help="speculative_num_steps (a chain: topk 1, k + 1 draft tokens)")
-    ap.add_argument("--max-tokens", type=int, default=48)
-    ap.add_argument("--dtype", default="float32")
-    args = ap.parse_args()
-    prompts = json.loads(args.prompts.read_text())
-    if not (isinstance(prompts, list) and prompts and all(isinstance(p, list) and p for p in prompts)):
-        raise SystemExit(f"{args.prompts}: expected a non-empty JSON list of token-id lists")
-    drafts = [(None, None)]
-    for spec in args.draft:
-        name, sep, path = spec.partition("=")
-        cfg = Path(path, "config.json")
-        if not sep or not cfg.is_file():
-            raise SystemExit(f"--draft {spec!r}: expected NAME=DIR with DIR an exported draft folder (config.json)")
-        arch = json.loads(cfg.read_text()).get("architectures", [""])[0]
+    from vllm_generate import read_cli  # its sibling (stdlib only at import): the same arguments and checks
+
+    args, prompts, drafts = read_cli(__doc__, "speculative_num_steps (a chain: topk 1, k + 1 draft tokens)")
+    for _, path in drafts:
+        arch = json.loads((path / "config.json").read_text()).get("architectures", [""])[0]
         if "Eagle3" not in arch:
-            raise SystemExit(f"{cfg}: architectures {arch!r}: only EAGLE-3 drafts run here (DFlash: see the docstring)")
-        drafts.append((name, Path(path)))
+            raise SystemExit(f"{path / 'config.json'}: architectures {arch!r}: only EAGLE-3 drafts run here "
+                             "(DFlash: see the docstring)")
     results = {"emulated": EMULATED}
-    for name, path in drafts:
+    for name, path in [(None, None), *drafts]:
         results[name or "target"] = run(args.target, path, args.k, prompts, args.max_tokens, args.dtype)
         args.out.write_text(json.dumps(results))  # what finished is kept if a later engine fails
     print(f"wrote {args.out}: " + ", ".join(n for n in results if n != "emulated"))

@@ -79,26 +79,33 @@ def run(target: str, draft: Path | None, k: int, prompts: list, max_tokens: int,
     return res
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def read_cli(doc: str, k_help: str) -> tuple[argparse.Namespace, list, list]:
+    """The arguments shared with sglang_generate.py: (args, prompts, [(name, exported folder)])."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
     ap.add_argument("--target", required=True, help="the target's HF folder (safetensors)")
     ap.add_argument("--prompts", type=Path, required=True)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--draft", action="append", default=[], help="NAME=DIR of an exported draft (repeatable)")
-    ap.add_argument("--k", type=int, default=1, help="num_speculative_tokens")
+    ap.add_argument("--k", type=int, default=1, help=k_help)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--dtype", default="float32")
     args = ap.parse_args()
     prompts = json.loads(args.prompts.read_text())
     if not (isinstance(prompts, list) and prompts and all(isinstance(p, list) and p for p in prompts)):
         raise SystemExit(f"{args.prompts}: expected a non-empty JSON list of token-id lists")
-    drafts = [(None, None)]
+    drafts = []
     for spec in args.draft:
         name, sep, path = spec.partition("=")
         if not sep or not Path(path, "config.json").is_file():
             raise SystemExit(f"--draft {spec!r}: expected NAME=DIR with DIR an exported draft folder (config.json)")
         drafts.append((name, Path(path)))
-    drafts.append(("target_again", None))  # the target alone once more: how far the machine drifted meanwhile
+    return args, prompts, drafts
+
+
+def main() -> None:
+    args, prompts, drafts = read_cli(__doc__, "num_speculative_tokens")
+    # the target alone first and once more last: how far the machine drifted meanwhile
+    drafts = [(None, None), *drafts, ("target_again", None)]
     results = {}
     for name, path in drafts:
         results[name or "target"] = run(args.target, path, args.k, prompts, args.max_tokens, args.dtype)

@@ -93,11 +93,11 @@ def _cpu_changes() -> None:
         import_utils.is_torchvision_available()  # cached as absent before the stand-in exists
         names = ("torchvision", "torchvision.transforms", "torchvision.transforms.functional",
                  "torchvision.transforms.v2", "torchvision.io")
-        for name in names:
+        for name in names:  # parents first: each child is set on its parent as it is made
             _stand_in(name)
-        for name in names[1:]:
             parent, _, child = name.rpartition(".")
-            setattr(sys.modules[parent], child, sys.modules[name])
+            if parent:
+                setattr(sys.modules[parent], child, sys.modules[name])
     try:
         import vllm._custom_ops  # noqa: F401
     except ImportError:

@@ -1,11 +1,11 @@
-"""Greedy speculative decoding of exported EAGLE-3 drafts in SGLang: what a served draft commits and accepts.
+"""Greedy speculative decoding of exported drafts in SGLang: what a served draft commits and accepts.
 
 The SGLang counterpart of `scripts/vllm_generate.py`, with the same arguments and output; it runs in a
 Python environment that holds SGLang, not vatspec, and `scripts/vllm_parity.py --engine sglang` calls it.
-For the target alone and then for each ``NAME=DIR`` (an `vatspec export` folder, format `eagle3-hf`), one
-`sglang.Engine` generates every prompt at temperature 0, one prompt at a time, and the request's
-speculative counters (``spec_verify_ct``, ``spec_num_correct_drafts``, ``spec_correct_drafts_histogram``)
-are read from its ``meta_info``.
+For the target alone and then for each ``NAME=DIR`` (an `vatspec export` folder: `eagle3-hf`, or `dflash`
+with k = its block size - 1), one `sglang.Engine` generates every prompt at temperature 0, one prompt at a
+time, and the request's speculative counters (``spec_verify_ct``, ``spec_num_correct_drafts``,
+``spec_correct_drafts_histogram``) are read from its ``meta_info``.
 
 On a GPU this is SGLang as users run it. On a machine without one, SGLang 0.5.23 has no CPU path short of
 `sgl-kernel`'s CPU build (not on PyPI): the script then runs SGLang's GPU code on the CPU, which needs
@@ -19,10 +19,14 @@ these changes, all made here and nothing else:
 - ``torchvision`` (imported by SGLang's multimodal configs; PyPI's build needs CUDA's torch) and
   ``vllm._custom_ops`` (a rotary kernel SGLang imports but does not call on this path; the stand-in
   raises if it ever is) are stand-in modules when they cannot be imported.
-The target alone runs with the ``torch_native`` attention backend (SGLang refuses it for EAGLE drafts);
-each draft with ``triton``. DFlash is not run: SGLang 0.5.23 refuses DFlash on a CPU device, and its
-DFlash extend path casts the draft's input embeddings to bf16 unconditionally, so a float32 DFlash
-cannot run in it on any device (docs/serving.md).
+- DFlash only: SGLang's speculative settings see a platform that allows DFlash with Triton drafts (it
+  refuses DFlash on a CPU device), and its extend path gives the draft its input embeddings in the model's
+  dtype: SGLang casts them to bf16 whatever the dtype (``ModelRunner._extend_forward_kwargs``), which fails
+  in a float32 engine and is a no-op in the bf16 one users run.
+The target alone runs with the ``torch_native`` attention backend; with a draft, target and draft run
+``triton`` (SGLang refuses ``torch_native`` with EAGLE drafts, and DFlash's verify step fails in it), in
+float32: Triton's interpreter computes SGLang's Triton attention wrongly in
+bf16 (docs/serving.md).
 
 Environment (CPU, no GPU; ~2 min):
 
@@ -117,6 +121,42 @@ def _cpu_changes() -> None:
 
     torch.Tensor.record_stream = record_stream_cpu
 
+    import sglang.srt.arg_groups.speculative_hook as speculative_hook
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+    speculative_hook.current_platform = _DFlashOnCpu(speculative_hook.current_platform)
+    extend_kwargs = ModelRunner._extend_forward_kwargs
+
+    def extend_kwargs_in_model_dtype(self, forward_batch, pp_proxy_tensors):
+        kwargs = extend_kwargs(self, forward_batch, pp_proxy_tensors)
+        if forward_batch.input_embeds is not None and forward_batch.replace_embeds is None:
+            kwargs["input_embeds"] = forward_batch.input_embeds.to(self.dtype)
+        return kwargs
+
+    ModelRunner._extend_forward_kwargs = extend_kwargs_in_model_dtype
+
+
+class _DFlashOnCpu:
+    """SGLang's platform, as its speculative settings see it, with DFlash allowed on the CPU (triton drafts)."""
+
+    def __init__(self, platform):
+        self._platform = platform
+
+    def __getattr__(self, name):
+        return getattr(self._platform, name)
+
+    def is_out_of_tree(self) -> bool:
+        return True
+
+    def supports_speculative_algorithm(self, algorithm: str) -> bool:
+        return True
+
+    def supports_speculative_draft_attention_backend(self, algorithm: str, backend: str) -> bool:
+        return backend == "triton"
+
+    def get_default_speculative_draft_attention_backend(self, algorithm: str) -> str:
+        return "triton"
+
 
 if EMULATED and RUN:
     _cpu_changes()
@@ -132,6 +172,10 @@ def counters(meta: dict, k: int) -> dict:
             "accepted_per_pos": [sum(hist[j + 1:]) for j in range(k)]}
 
 
+def is_dflash(draft: Path) -> bool:
+    return "DFlash" in json.loads((draft / "config.json").read_text()).get("architectures", [""])[0]
+
+
 def run(target: str, draft: Path | None, k: int, prompts: list, max_tokens: int, dtype: str) -> dict:
     import sglang
 
@@ -139,11 +183,14 @@ def run(target: str, draft: Path | None, k: int, prompts: list, max_tokens: int,
               disable_cuda_graph=True, log_level="warning", mem_fraction_static=0.5)
     if EMULATED:
         kw.update(device="cpu", attention_backend="torch_native")
-    if draft is not None:
+    if draft is not None and is_dflash(draft):
+        kw.update(speculative_algorithm="DFLASH", speculative_draft_model_path=str(draft),
+                  speculative_dflash_block_size=k + 1)
+    elif draft is not None:
         kw.update(speculative_algorithm="EAGLE3", speculative_draft_model_path=str(draft),
                   speculative_num_steps=k, speculative_eagle_topk=1, speculative_num_draft_tokens=k + 1)
-        if EMULATED:
-            kw.update(attention_backend="triton")
+    if draft is not None and EMULATED:
+        kw.update(attention_backend="triton")
     engine = sglang.Engine(**kw)
     params = {"temperature": 0.0, "max_new_tokens": max_tokens}
     res = {"tokens": [], "drafts": [], "draft_tokens": [], "accepted": [], "accepted_per_pos": [], "wall_s": []}
@@ -168,9 +215,8 @@ def main() -> None:
     args, prompts, drafts = read_cli(__doc__, "speculative_num_steps (a chain: topk 1, k + 1 draft tokens)")
     for _, path in drafts:
         arch = json.loads((path / "config.json").read_text()).get("architectures", [""])[0]
-        if "Eagle3" not in arch:
-            raise SystemExit(f"{path / 'config.json'}: architectures {arch!r}: only EAGLE-3 drafts run here "
-                             "(DFlash: see the docstring)")
+        if "Eagle3" not in arch and "DFlash" not in arch:
+            raise SystemExit(f"{path / 'config.json'}: architectures {arch!r}: not an EAGLE-3 or DFlash draft")
     results = {"emulated": EMULATED}
     for name, path in [(None, None), *drafts]:
         results[name or "target"] = run(args.target, path, args.k, prompts, args.max_tokens, args.dtype)

@@ -4,7 +4,7 @@ For each draft (a run or checkpoint folder), `vatspec export` writes its served 
 as ``--eagle3-format``, `eagle3-hf` by default, DFlash as `dflash`); vatspec's decode loop opens that
 folder (the weights the engine reads) and decodes the bundled benchmarks' prompts 2..(2 + --per-bench) at
 temperature 0 with k drafted tokens per round; then `scripts/vllm_generate.py` (``--engine vllm``) or
-`scripts/sglang_generate.py` (``--engine sglang``, EAGLE-3 drafts only), run by ``--engine-python`` (an
+`scripts/sglang_generate.py` (``--engine sglang``; DFlash at k = block size - 1), run by ``--engine-python`` (an
 environment holding that engine), decodes the same prompts with the target alone and with each served draft.
 Printed per draft:
 - lossless: does the engine's speculative output equal its own target-only output, and vatspec's?
@@ -88,10 +88,11 @@ def main() -> None:
         name, sep, run = spec.partition("=")
         if not sep or not Path(run).exists():
             raise SystemExit(f"{spec!r}: expected NAME=RUN with RUN an existing run or checkpoint folder")
-        kind = load_config(Path(run) / "config.yaml").drafter.kind  # a run folder and each checkpoint hold one
-        if args.engine == "sglang" and kind != "eagle3":
-            raise SystemExit(f"{spec!r}: a {kind} draft; --engine sglang runs EAGLE-3 drafts only "
-                             "(scripts/sglang_generate.py says why)")
+        drafter = load_config(Path(run) / "config.yaml").drafter  # a run folder and each checkpoint hold one
+        kind = drafter.kind
+        if args.engine == "sglang" and kind == "dflash" and args.k != drafter.block_size - 1:
+            raise SystemExit(f"{spec!r}: SGLang drafts DFlash's whole block (--k {drafter.block_size - 1} for its "
+                             f"block of {drafter.block_size}); vatspec's k = {args.k} would verify fewer tokens")
         pairs.append((name, Path(run), kind))
     args.out.mkdir(parents=True, exist_ok=True)
     target = open_target("default", device="cpu", dtype="float32")

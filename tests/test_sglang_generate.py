@@ -46,3 +46,25 @@ def test_counters_without_speculation(gen):
     assert gen.counters({}, 3) == {"drafts": 0, "draft_tokens": 0, "accepted": 0, "accepted_per_pos": [0, 0, 0]}
     short = gen.counters({"spec_verify_ct": 4, "spec_correct_drafts_histogram": [3, 1]}, 3)
     assert short["accepted_per_pos"] == [1, 0, 0]
+
+
+def test_is_dflash_reads_the_export_config(gen, tmp_path):
+    (tmp_path / "config.json").write_text('{"architectures": ["DFlashDraftModel"]}')
+    assert gen.is_dflash(tmp_path)
+    (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLMEagle3"]}')
+    assert not gen.is_dflash(tmp_path)
+
+
+def test_dflash_on_cpu_platform_allows_dflash_with_triton_only(gen):
+    class Platform:  # what SGLang's platform answers for a plain CPU
+        name = "cpu"
+
+        def is_out_of_tree(self):
+            return False
+
+    p = gen._DFlashOnCpu(Platform())
+    assert p.is_out_of_tree() and p.supports_speculative_algorithm("DFLASH")
+    assert p.supports_speculative_draft_attention_backend("DFLASH", "triton")
+    assert not p.supports_speculative_draft_attention_backend("DFLASH", "flashinfer")
+    assert p.get_default_speculative_draft_attention_backend("DFLASH") == "triton"
+    assert p.name == "cpu"  # everything else is the platform's own

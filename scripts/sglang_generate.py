@@ -25,8 +25,7 @@ these changes, all made here and nothing else:
   in a float32 engine and is a no-op in the bf16 one users run.
 The target alone runs with the ``torch_native`` attention backend; with a draft, target and draft run
 ``triton`` (SGLang refuses ``torch_native`` with EAGLE drafts, and DFlash's verify step fails in it), in
-float32: Triton's interpreter computes SGLang's Triton attention wrongly in
-bf16 (docs/serving.md).
+float32: Triton's interpreter computes SGLang's Triton attention wrongly in bf16 (docs/serving.md).
 
 Environment (CPU, no GPU; ~2 min):
 
@@ -172,8 +171,9 @@ def counters(meta: dict, k: int) -> dict:
             "accepted_per_pos": [sum(hist[j + 1:]) for j in range(k)]}
 
 
-def is_dflash(draft: Path) -> bool:
-    return "DFlash" in json.loads((draft / "config.json").read_text()).get("architectures", [""])[0]
+def architecture(draft: Path) -> str:
+    """The export's model class, as SGLang reads it from config.json."""
+    return json.loads((draft / "config.json").read_text()).get("architectures", [""])[0]
 
 
 def run(target: str, draft: Path | None, k: int, prompts: list, max_tokens: int, dtype: str) -> dict:
@@ -183,14 +183,15 @@ def run(target: str, draft: Path | None, k: int, prompts: list, max_tokens: int,
               disable_cuda_graph=True, log_level="warning", mem_fraction_static=0.5)
     if EMULATED:
         kw.update(device="cpu", attention_backend="torch_native")
-    if draft is not None and is_dflash(draft):
-        kw.update(speculative_algorithm="DFLASH", speculative_draft_model_path=str(draft),
-                  speculative_dflash_block_size=k + 1)
-    elif draft is not None:
-        kw.update(speculative_algorithm="EAGLE3", speculative_draft_model_path=str(draft),
-                  speculative_num_steps=k, speculative_eagle_topk=1, speculative_num_draft_tokens=k + 1)
-    if draft is not None and EMULATED:
-        kw.update(attention_backend="triton")
+    if draft is not None:
+        kw.update(speculative_draft_model_path=str(draft))
+        if "DFlash" in architecture(draft):
+            kw.update(speculative_algorithm="DFLASH", speculative_dflash_block_size=k + 1)
+        else:
+            kw.update(speculative_algorithm="EAGLE3", speculative_num_steps=k, speculative_eagle_topk=1,
+                      speculative_num_draft_tokens=k + 1)
+        if EMULATED:
+            kw.update(attention_backend="triton")
     engine = sglang.Engine(**kw)
     params = {"temperature": 0.0, "max_new_tokens": max_tokens}
     res = {"tokens": [], "drafts": [], "draft_tokens": [], "accepted": [], "accepted_per_pos": [], "wall_s": []}
@@ -214,7 +215,7 @@ def main() -> None:
 
     args, prompts, drafts = read_cli(__doc__, "speculative_num_steps (a chain: topk 1, k + 1 draft tokens)")
     for _, path in drafts:
-        arch = json.loads((path / "config.json").read_text()).get("architectures", [""])[0]
+        arch = architecture(path)
         if "Eagle3" not in arch and "DFlash" not in arch:
             raise SystemExit(f"{path / 'config.json'}: architectures {arch!r}: not an EAGLE-3 or DFlash draft")
     results = {"emulated": EMULATED}

@@ -48,11 +48,11 @@ def test_counters_without_speculation(gen):
     assert short["accepted_per_pos"] == [1, 0, 0]
 
 
-def test_is_dflash_reads_the_export_config(gen, tmp_path):
+def test_architecture_reads_the_export_config(gen, tmp_path):
     (tmp_path / "config.json").write_text('{"architectures": ["DFlashDraftModel"]}')
-    assert gen.is_dflash(tmp_path)
-    (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLMEagle3"]}')
-    assert not gen.is_dflash(tmp_path)
+    assert gen.architecture(tmp_path) == "DFlashDraftModel"
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    assert gen.architecture(tmp_path) == ""
 
 
 def test_dflash_on_cpu_platform_allows_dflash_with_triton_only(gen):

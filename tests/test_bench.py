@@ -241,3 +241,17 @@ def test_eval_command_k_auto_calibrates_each_method(tiny, tmp_path, monkeypatch,
     assert cal["survival"] == [1.0, 1.0, 1.0, 0.0, 0.0] and cal["rounds"] > 0
     assert res["config"]["k"] == {"vat": cal["k"]} and 1 <= cal["k"] <= 4
     assert "Draft length chosen on held-out calibration prompts" in (tmp_path / "eval" / "results.md").read_text()
+
+
+def test_calibration_lines_do_not_repeat_a_baseline_row():
+    """A VAT arm decodes at its baseline's k; its row names where the k came from instead of
+    repeating the baseline's measured numbers as if they were its own."""
+    cal = {"k": 1, "survival": [1.0, 0.39, 0.10], "cost": [1.0, 1.19, 1.62], "speedup": [1.0, 1.16, 0.92],
+           "faster": [0.0, 0.0, 0.0], "rounds": 101, "ar_wins": False}
+    lines = bench.calibration_lines({"EAGLE-3": cal, "EAGLE-3 + VAT": {**cal, "chosen_on": "EAGLE-3"}})
+    base, vat = (next(ln for ln in lines if ln.startswith(f"| {n} |")) for n in ("EAGLE-3", "EAGLE-3 + VAT"))
+    assert "0.39 0.10" in base and "| 101 |" in base
+    assert vat == "| EAGLE-3 + VAT | 1 | EAGLE-3's k (the same decode settings) | | | | |"
+    slow_cal = {**cal, "ar_wins": True}
+    slow = bench.calibration_lines({"A": slow_cal, "A + VAT": {**slow_cal, "chosen_on": "A"}})
+    assert any(ln.startswith("For A even the best k") for ln in slow)

@@ -325,10 +325,13 @@ def calibration_lines(calibration: Mapping[str, dict]) -> list[str]:
              "| P(faster than chosen k), k = 1..k_max |",
              "|---|---:|---|---|---|---:|---|"]
     for name, c in calibration.items():
+        if c.get("chosen_on") in calibration:  # a VAT arm decodes at its baseline's k: not calibrated itself
+            lines.append(f"| {name} | {c['k']} | {c['chosen_on']}'s k (the same decode settings) | | | | |")
+            continue
         row = [" ".join(f"{x:.2f}" for x in c[f][start:]) for f, start in
                (("survival", 1), ("cost", 0), ("speedup", 0), ("faster", 1)) if f in c]
         lines.append(f"| {name} | {c['k']} | " + " | ".join([*row[:3], str(c["rounds"]), *row[3:]]) + " |")
-    slow = [name for name, c in calibration.items() if c.get("ar_wins")]
+    slow = [name for name, c in calibration.items() if c.get("ar_wins") and "chosen_on" not in c]
     if slow:
         lines += ["", f"For {', '.join(slow)} even the best k is expected to be slower than decoding without the "
                   "draft (expected speedup < 1 on the calibration prompts): at this acceptance, drafting does not pay "

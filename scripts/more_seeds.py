@@ -9,9 +9,10 @@ that seed's pair in the demo on the same CPU.
 
     .venv/bin/python scripts/more_seeds.py --size full --kind dflash --seeds 5:15 --out runs/more-seeds-dflash
 
-Needs the recipe's regenerated data under $VATSPEC_HOME/demo (``vatspec demo [--full]`` makes it); the
-feature cache beside it is made if missing. Writes OUT/seed<S>/<arm>/ run folders and OUT/summary.json
-(rewritten after every seed, so a stopped run keeps what it finished).
+Reads the recipe's regenerated data under $VATSPEC_HOME/demo (what ``vatspec demo [--full]`` made), and
+regenerates it when missing (``demo.prepare_training_data``: the long recipe's 512 prompts took 8 min on 2
+cores); the feature cache beside it is made if missing. Writes OUT/seed<S>/<arm>/ run folders and
+OUT/summary.json (rewritten after every seed, so a stopped run keeps what it finished).
 """
 
 from __future__ import annotations
@@ -24,7 +25,16 @@ from pathlib import Path
 
 import torch
 
-from vatspec.demo import ARMS, BASELINE_OF, SIZES, arm_configs, paired_tau_sim, prepare_features, train_lockstep
+from vatspec.demo import (
+    ARMS,
+    BASELINE_OF,
+    SIZES,
+    arm_configs,
+    paired_tau_sim,
+    prepare_features,
+    prepare_training_data,
+    train_lockstep,
+)
 from vatspec.stats import across_seeds
 from vatspec.target import open_target, vatspec_home
 from vatspec.train import CHAINS_KEY
@@ -42,10 +52,8 @@ def main() -> None:
     first, last = (int(x) for x in args.seeds.split(":"))
     vat, base = next((v, b) for v, b in BASELINE_OF.items() if ARMS[b][0] == args.kind)
     size = SIZES[args.size]
-    data = vatspec_home() / "demo" / f"regen-n{size.prompts}-t{size.regen_tokens}-s{size.seed}.jsonl"
-    if not data.is_file():
-        raise SystemExit(f"{data}: no training data; run `vatspec demo{' --full' if args.size == 'full' else ''}`")
     target = open_target("default", device="cpu", dtype="float32")
+    data, _ = prepare_training_data(target, size, vatspec_home(), progress=False)  # cached: resumes or reads it
     features, _ = prepare_features(target, data, arm_configs(list(ARMS), size, data, args.out), progress=False)
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []

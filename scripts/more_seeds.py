@@ -21,7 +21,8 @@ training them again; its seeds that are missing there are trained.
 Reads the recipe's regenerated data under $VATSPEC_HOME/demo (what ``vatspec demo [--full]`` made), and
 regenerates it when missing (``demo.prepare_training_data``: the long recipe's 512 prompts took 8 min on 2
 cores); the feature cache beside it is made if missing. Writes OUT/seed<S>/<arm>/ run folders and
-OUT/summary.json (rewritten after every seed, so a stopped run keeps what it finished).
+OUT/summary.json (rewritten after every seed, so a stopped run keeps what it finished; a later run into
+the same OUT with other seeds adds them, and the across-seeds figures cover all of them).
 """
 
 from __future__ import annotations
@@ -66,6 +67,20 @@ def earlier_pair(path: Path, size: str, kind: str) -> dict[int, dict]:
     return {row["seed"]: row for row in summary["seeds"]}
 
 
+def kept_rows(path: Path, size: str, kind: str, extras: dict[str, list[str]], seeds: range) -> list[dict]:
+    """The seeds an earlier run into the same OUT finished, outside ``seeds`` (so a later range adds to
+    them); refuses an OUT whose summary.json was written for another size, kind or set of arms."""
+    if not path.exists():
+        return []
+    summary = json.loads(path.read_text())
+    arms = {n: " ".join(ov) for n, ov in extras.items()}
+    if (summary.get("size"), summary.get("kind"), summary.get("arms", {})) != (size, kind, arms):
+        raise SystemExit(f"{path}: written for --size {summary.get('size')} --kind {summary.get('kind')} with arms "
+                         f"{summary.get('arms', {})}; this run has --size {size} --kind {kind} with {arms}: "
+                         "choose another --out")
+    return [r for r in summary["seeds"] if r["seed"] not in seeds]
+
+
 def summarise(rows: list[dict], base: str, vat: str, extras: list[str]) -> dict:
     """Across the seeds (>= 2): VAT - baseline, and each extra arm - baseline and - VAT, as the mean of
     the per-seed differences with a 95% Student-t interval (``stats.across_seeds``)."""
@@ -107,7 +122,7 @@ def main() -> None:
     data, _ = prepare_training_data(target, size, vatspec_home(), progress=False)  # cached: resumes or reads it
     features, _ = prepare_features(target, data, arm_configs(list(ARMS), size, data, args.out), progress=False)
     args.out.mkdir(parents=True, exist_ok=True)
-    rows = []
+    rows = kept_rows(args.out / "summary.json", args.size, args.kind, extras, range(first, last))
     for seed in range(first, last):
         t0 = time.perf_counter()
         names = [*([] if seed in known else [base, vat]), *extras]
@@ -124,7 +139,7 @@ def main() -> None:
             row["diff"] = paired_tau_sim(chains, {vat: base})[vat]
         for n in extras:  # difference of held-out means: the same chains for every arm of a seed
             row[n]["vs"] = {b: row[n]["tau_sim"] - row[b]["tau_sim"] for b in (base, vat)}
-        rows.append(row)
+        rows = sorted([*rows, row], key=lambda r: r["seed"])
         print(f"seed {seed}: " + "  ".join(f"{n} {row[n]['tau_sim']:.3f}" for n in (base, vat, *extras))
               + f"  VAT diff {interval(row['diff'])}  ({row['seconds'] / 60:.1f} min)", flush=True)
         summary = {"size": args.size, "kind": args.kind, "pair": [vat, base],

@@ -3,26 +3,15 @@ and the printed table and paired interval come from them."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import COUNT_CONVS, tiny_llama
+from tests.conftest import COUNT_CONVS, load_script, tiny_llama
 from vatspec import data as D
 from vatspec.config import load_config
 from vatspec.train import CHAINS_KEY, _build_arm, _tokenize, evaluate_arms, train
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_acceptance.py"
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location("bench_acceptance", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +48,7 @@ def test_per_prompt_chains_add_up_to_the_training_evaluation(setup):
     from vatspec.target import open_target
 
     target_dir, answers, runs = setup
-    mod = _script()
+    mod = load_script("bench_acceptance")
     target = open_target(str(target_dir), device="cpu", dtype="float32")
     convs = D.load_conversations(answers)
     run = runs["eagle3-eagle3"]
@@ -76,7 +65,7 @@ def test_per_prompt_chains_add_up_to_the_training_evaluation(setup):
 
 def test_main_prints_each_benchmark_and_the_paired_interval(setup, capsys, tmp_path):
     target_dir, answers, runs = setup
-    out = _script().main([
+    out = load_script("bench_acceptance").main([
         "--target", str(target_dir), "--answers", str(answers), "--threads", "1", "--json", str(tmp_path / "a.json"),
         "--pair", "vat=base", "--pair", "dvat=dbase", f"base={runs['eagle3-eagle3']}", f"vat={runs['eagle3-vat']}",
         f"dbase={runs['dflash-dflash']}", f"dvat={runs['dflash-vat']}"])

@@ -3,25 +3,17 @@ built in code, every arm's training step, decoding against HF generate, the JSON
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
+from tests.conftest import SCRIPTS, load_script
+
 pytestmark = pytest.mark.usefixtures("one_thread")
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.py"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def test_gpu_check_runs_on_tiny_shapes(tmp_path):
-    mod = load_script()
+    mod = load_script("gpu_check")
     out = tmp_path / "gpu_check.json"
     assert mod.main(["--small", "--device", "cpu", "--steps", "2", "--warmup", "0", "--decode-prompts", "1",
                      "--decode-tokens", "8", "--targets", "qwen3-8b-shaped", "--out", str(out)]) == 0
@@ -35,14 +27,14 @@ def test_gpu_check_runs_on_tiny_shapes(tmp_path):
             assert (d["dtype"], d["prompts"], d["equal_to_hf_generate"], d["divergences"]) == ("float32", 1, 1, []), d
             assert "decode_fp32" not in arm  # the target trained in float32: that decode is the exact one
     assert t["eagle3_vat_over_baseline_step_time"] > 0 and t["dflash_vat_over_baseline_step_time"] > 0
-    assert (Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.sh").is_file()
+    assert (SCRIPTS / "gpu_check.sh").is_file()
 
 
 def test_gpu_check_bf16_decode_parts_only_at_ties_and_float32_is_exact(tmp_path):
     """The bf16 path the GPU runs, here on the CPU: verification's k + 1-position forward and
     generate's one-position forward round differently in bf16, so greedy outputs may part, but only
     where the two tokens' logits are (nearly) tied; with the target cast to float32 they are equal."""
-    mod = load_script()
+    mod = load_script("gpu_check")
     out = tmp_path / "gpu_check.json"
     assert mod.main(["--small", "--device", "cpu", "--precision", "bf16", "--steps", "1", "--warmup", "0",
                      "--decode-prompts", "4", "--decode-tokens", "24", "--targets", "qwen3-8b-shaped",

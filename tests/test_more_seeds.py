@@ -3,21 +3,16 @@ tested elsewhere): the --arm parser, reading an earlier run's pair, and the acro
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "more_seeds.py"
+from tests.conftest import load_script
 
 
 @pytest.fixture(scope="module")
 def ms():
-    spec = importlib.util.spec_from_file_location("more_seeds", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("more_seeds")
 
 
 def test_arm_names_and_overrides(ms):

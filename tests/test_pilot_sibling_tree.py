@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import pytest
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+from tests.conftest import load_script
 
 # verify[n]: a target pass over n tokens; draft[k]: the drafter's work for a chain of k (AR steps)
 COST = {"verify": [0.0, 1.0, 1.1, 1.5, 1.3, 1.6], "draft": [0.05, 0.07, 0.12]}
@@ -23,16 +20,7 @@ ROWS = [
 
 @pytest.fixture(scope="module")
 def pilot():
-    import sys
-
-    sys.path.insert(0, str(SCRIPTS))  # the script imports its sibling pilot by name, as when run from scripts/
-    try:
-        spec = importlib.util.spec_from_file_location("pilot_sibling_tree", SCRIPTS / "pilot_sibling_tree.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    finally:
-        sys.path.remove(str(SCRIPTS))
-    return mod
+    return load_script("pilot_sibling_tree")  # it imports its sibling pilot by name, as when run from scripts/
 
 
 @pytest.mark.parametrize(

@@ -2,21 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "sglang_generate.py"
+from tests.conftest import load_script
 
 
 @pytest.fixture(scope="module")
 def gen():
-    spec = importlib.util.spec_from_file_location("sglang_generate", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)  # imported by name: no SGLang needed, nothing patched
-    return mod
+    return load_script("sglang_generate")  # imported by name: no SGLang needed, nothing patched
 
 
 def test_importing_changes_nothing(gen):

@@ -58,27 +58,31 @@ def parse_arm(text: str) -> tuple[str, list[str]]:
     return name, shlex.split(overrides)
 
 
+def read_summary(path: Path, size: str, kind: str, arms: dict[str, str] | None = None) -> dict:
+    """An earlier run's summary.json, refused when it was written for another size or kind (or, given
+    ``arms``, another set of extra arms)."""
+    summary = json.loads(path.read_text())
+    have, this = f"size {summary.get('size')!r}, kind {summary.get('kind')!r}", f"--size {size} --kind {kind}"
+    differs = (summary.get("size"), summary.get("kind")) != (size, kind)
+    if arms is not None:
+        have, this = f"{have}, arms {summary.get('arms', {})}", f"{this}, arms {arms}: choose another --out"
+        differs = differs or summary.get("arms", {}) != arms
+    if differs:
+        raise SystemExit(f"{path}: {have}; this run is {this}")
+    return summary
+
+
 def earlier_pair(path: Path, size: str, kind: str) -> dict[int, dict]:
     """seed -> that seed's row of an earlier run's summary.json (the pair's held-out results)."""
-    summary = json.loads((path / "summary.json").read_text())
-    if (summary.get("size"), summary.get("kind")) != (size, kind):
-        raise SystemExit(f"{path / 'summary.json'}: size {summary.get('size')!r}, kind {summary.get('kind')!r}; "
-                         f"this run is --size {size} --kind {kind}")
-    return {row["seed"]: row for row in summary["seeds"]}
+    return {row["seed"]: row for row in read_summary(path / "summary.json", size, kind)["seeds"]}
 
 
-def kept_rows(path: Path, size: str, kind: str, extras: dict[str, list[str]], seeds: range) -> list[dict]:
+def kept_rows(path: Path, size: str, kind: str, arms: dict[str, str], seeds: range) -> list[dict]:
     """The seeds an earlier run into the same OUT finished, outside ``seeds`` (so a later range adds to
     them); refuses an OUT whose summary.json was written for another size, kind or set of arms."""
     if not path.exists():
         return []
-    summary = json.loads(path.read_text())
-    arms = {n: " ".join(ov) for n, ov in extras.items()}
-    if (summary.get("size"), summary.get("kind"), summary.get("arms", {})) != (size, kind, arms):
-        raise SystemExit(f"{path}: written for --size {summary.get('size')} --kind {summary.get('kind')} with arms "
-                         f"{summary.get('arms', {})}; this run has --size {size} --kind {kind} with {arms}: "
-                         "choose another --out")
-    return [r for r in summary["seeds"] if r["seed"] not in seeds]
+    return [r for r in read_summary(path, size, kind, arms)["seeds"] if r["seed"] not in seeds]
 
 
 def summarise(rows: list[dict], base: str, vat: str, extras: list[str]) -> dict:
@@ -112,9 +116,11 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     first, last = (int(x) for x in args.seeds.split(":"))
     vat, base = next((v, b) for v, b in BASELINE_OF.items() if ARMS[b][0] == args.kind)
-    extras = dict(parse_arm(a) for a in args.arm)
-    if len(extras) < len(args.arm):
-        raise SystemExit(f"--arm: two arms share a name: {[parse_arm(a)[0] for a in args.arm]}")
+    parsed = [parse_arm(a) for a in args.arm]
+    extras = dict(parsed)
+    if len(extras) < len(parsed):
+        raise SystemExit(f"--arm: two arms share a name: {[n for n, _ in parsed]}")
+    arm_text = {n: " ".join(ov) for n, ov in extras.items()}
     known = earlier_pair(args.pair_from, args.size, args.kind) if args.pair_from else {}
     loss_overrides = {n: [f"drafter.kind={args.kind}", "loss.kind=vat", *ov] for n, ov in extras.items()}
     size = SIZES[args.size]
@@ -122,7 +128,7 @@ def main() -> None:
     data, _ = prepare_training_data(target, size, vatspec_home(), progress=False)  # cached: resumes or reads it
     features, _ = prepare_features(target, data, arm_configs(list(ARMS), size, data, args.out), progress=False)
     args.out.mkdir(parents=True, exist_ok=True)
-    rows = kept_rows(args.out / "summary.json", args.size, args.kind, extras, range(first, last))
+    rows = kept_rows(args.out / "summary.json", args.size, args.kind, arm_text, range(first, last))
     for seed in range(first, last):
         t0 = time.perf_counter()
         names = [*([] if seed in known else [base, vat]), *extras]
@@ -143,7 +149,7 @@ def main() -> None:
         print(f"seed {seed}: " + "  ".join(f"{n} {row[n]['tau_sim']:.3f}" for n in (base, vat, *extras))
               + f"  VAT diff {interval(row['diff'])}  ({row['seconds'] / 60:.1f} min)", flush=True)
         summary = {"size": args.size, "kind": args.kind, "pair": [vat, base],
-                   "arms": {n: " ".join(ov) for n, ov in extras.items()}, "seeds": rows,
+                   "arms": arm_text, "seeds": rows,
                    **summarise(rows, base, vat, list(extras))}
         (args.out / "summary.json").write_text(json.dumps(summary, indent=1, default=float))
     if len(rows) >= 2:

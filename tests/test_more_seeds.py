@@ -48,10 +48,10 @@ def test_summary_is_the_mean_of_per_seed_differences_with_a_t_interval(ms):
 
 def test_a_later_run_into_the_same_out_adds_its_seeds(ms, tmp_path):
     path = tmp_path / "summary.json"
-    assert ms.kept_rows(path, "full", "eagle3", {"no_head": ["loss.head=false"]}, range(5, 10)) == []
+    assert ms.kept_rows(path, "full", "eagle3", {"no_head": "loss.head=false"}, range(5, 10)) == []
     rows = [{"seed": s} for s in (5, 6, 7)]
     path.write_text(json.dumps({"size": "full", "kind": "eagle3", "arms": {"no_head": "loss.head=false"},
                                 "seeds": rows}))
-    assert ms.kept_rows(path, "full", "eagle3", {"no_head": ["loss.head=false"]}, range(7, 10)) == rows[:2]
+    assert ms.kept_rows(path, "full", "eagle3", {"no_head": "loss.head=false"}, range(7, 10)) == rows[:2]
     with pytest.raises(SystemExit, match="choose another --out"):  # other arms: their seeds do not pool
-        ms.kept_rows(path, "full", "eagle3", {"no_head": ["loss.head=false", "loss.beta=0.5"]}, range(7, 10))
+        ms.kept_rows(path, "full", "eagle3", {"no_head": "loss.head=false loss.beta=0.5"}, range(7, 10))

@@ -13,6 +13,7 @@ from vatspec.target import (
     TargetError,
     default_gguf_path,
     dtype_name,
+    feature_noise,
     frozen_cast,
     open_target,
     skinny_linear,
@@ -290,3 +291,23 @@ def test_auto_kernel_times_each_kernel_over_weights_out_of_cache(monkeypatch):
     seen["linear"].clear()
     target_mod._matmul_faster(w, 3)
     assert len(seen["linear"]) == 2 * 2
+
+
+NOISE_DRAWS_TOL = 0.02  # relative error of a standard deviation estimated from 2 x 40,000 draws
+
+
+def test_feature_noise_scales_with_each_layers_rms():
+    """Two layers of very different size get noise in proportion to their own per-token RMS."""
+    B, T, H = 4, 100, 100
+    small = torch.full((B, T, H), 2.0)  # RMS 2
+    big = torch.cat([torch.full((B, T, H // 2), 30.0), torch.full((B, T, H // 2), -40.0)], -1)  # RMS sqrt(1250)
+    x = torch.cat([small, big], -1)  # [B, T, 2H]
+    g = torch.Generator().manual_seed(0)
+    noisy = feature_noise(x, 0.5, 2, g)
+    d = (noisy - x).view(B, T, 2, H)
+    assert d[..., 0, :].std().item() == pytest.approx(0.5 * 2.0, rel=NOISE_DRAWS_TOL)
+    assert d[..., 1, :].std().item() == pytest.approx(0.5 * 1250**0.5, rel=NOISE_DRAWS_TOL)
+    assert abs(d.mean().item()) < 0.05 and noisy.dtype == x.dtype
+    assert torch.equal(feature_noise(x.bfloat16(), 0.0, 2, g), x.bfloat16())  # sigma 0: the features unchanged
+    with pytest.raises(ValueError, match="not a multiple of 3 layers"):
+        feature_noise(x, 0.5, 3, g)

@@ -202,6 +202,51 @@ def test_loss_on_all_trains_every_position_and_scores_the_answers(tiny_target_di
         assert torch.equal(d2t("answers"), d2t("all"))
 
 
+@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+def test_feature_noise_reaches_training_steps_only(tiny_target_dir, data_file, tmp_path, monkeypatch, kind):
+    """train.feature_noise: an arm's training steps read noisy features, its held-out evaluation the clean
+    ones (equal to a clean arm's in the same lockstep); a noisy run resumes exactly."""
+    import vatspec.train as T
+
+    seen: list[tuple[str, bool, torch.Tensor]] = []
+    step = T.arm_step
+
+    def spy_step(model, drafter, batch, tout, *a, **kw):
+        seen.append((Path(model.cfg_dir).name, model.training, tout.features.clone()))
+        return step(model, drafter, batch, tout, *a, **kw)
+
+    build = T._build_arm
+
+    def tag(cfg, *a, **kw):  # name each arm's module, so the spy knows whose step it sees
+        arm = build(cfg, *a, **kw)
+        arm.model.cfg_dir = cfg.train.out_dir
+        return arm
+
+    monkeypatch.setattr(T, "arm_step", spy_step)
+    monkeypatch.setattr(T, "_build_arm", tag)
+    arm = [f"drafter.kind={kind}", "loss.kind=vat", "train.save_every=2"]
+    cfgs = [_cfg(tiny_target_dir, data_file, tmp_path / name, *arm, f"train.feature_noise={s}")
+            for name, s in (("clean", 0), ("noisy", 0.3))]
+    train_arms(cfgs, progress=False)
+    by = {(n, t): [f for m, tr, f in seen if (m, tr) == (n, t)] for n in ("clean", "noisy") for t in (True, False)}
+    assert len(by["clean", True]) == len(by["noisy", True]) == 4 and by["clean", False]
+    for c, n in zip(by["clean", True], by["noisy", True]):
+        rel = (n - c).float().pow(2).mean().sqrt() / c.float().pow(2).mean().sqrt()
+        assert 0.2 < rel.item() < 0.4  # noise of 0.3 x the RMS, on every training step
+    assert all(torch.equal(c, n) for c, n in zip(by["clean", False], by["noisy", False]))
+    assert _losses(tmp_path / "clean") != _losses(tmp_path / "noisy")
+    # resumed from its step-2 checkpoint, the noisy arm draws the same noise as it did uninterrupted
+    import shutil
+
+    part = tmp_path / "noisy-part"
+    shutil.copytree(tmp_path / "noisy", part)
+    (part / "latest").write_text("step-000002\n")
+    shutil.rmtree(part / "checkpoints" / "step-000004")
+    monkeypatch.setattr(T, "arm_step", step)
+    train(_cfg(tiny_target_dir, data_file, part, *arm, "train.feature_noise=0.3"), resume=True, progress=False)
+    assert _losses(part) == pytest.approx(_losses(tmp_path / "noisy"), rel=1e-6, abs=1e-7)
+
+
 OBJECTIVES = ("kl", "tv", "lk", "dpace", "specauf", "dspark")
 
 
@@ -357,6 +402,7 @@ def test_cli_reports_bad_input_in_one_line(tmp_path, capsys):
         (["loss=eagle3", "loss.soft=false"], "there is nothing to train"),
         (["target.dtype=fp8"], "target.dtype 'fp8' is not one of float32, bfloat16, float16 (or fp32"),
         (["target.device=gpu"], "target.device 'gpu' is not a device"),
+        (["train.feature_noise=-0.1"], "train.feature_noise: must be >= 0, got -0.1"),
     ],
 )
 def test_cli_rejects_a_bad_config_in_one_line_before_loading_anything(tmp_path, capsys, overrides, message):

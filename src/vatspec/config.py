@@ -119,6 +119,9 @@ class TrainConfig:
     # bf16: the forward passes and the loss under bfloat16 autocast; weights, gradients and optimizer
     # state stay float32 (set target.dtype=bfloat16 too for a bf16 target)
     precision: Literal["fp32", "bf16"] = "fp32"
+    # Gaussian noise on the target's features while training (not in held-out evaluation), as a
+    # fraction of each layer's per-token RMS; 0 = none (the reference trainers' choice)
+    feature_noise: float = 0.0
     # under torchrun: ddp replicates the drafter on every rank; fsdp shards its parameters, gradients
     # and optimizer state across ranks (FSDP2 fully_shard). Checkpoints of either resume in either.
     parallel: Literal["ddp", "fsdp"] = "ddp"
@@ -226,6 +229,7 @@ RANGES: dict[str, tuple] = {
     "train.save_every": _at_least(0, optional=True),
     "train.save_minutes": _at_least(0),
     "train.keep_checkpoints": _at_least(0),
+    "train.feature_noise": _at_least(0),
 }
 
 

@@ -133,6 +133,20 @@ class TargetOutput:
     past_key_values: object | None = None
 
 
+def feature_noise(features: Tensor, sigma: float, n_layers: int, generator: torch.Generator) -> Tensor:
+    """``features`` [B, T, n*H] plus Gaussian noise with standard deviation ``sigma`` times each
+    layer's per-token RMS (the captured layers' outputs differ in scale, so one absolute scale would
+    drown one and miss another). A training-time regulariser
+    (``train.feature_noise``); returns a new tensor in ``features``' dtype."""
+    B, T, nH = features.shape
+    if nH % n_layers:
+        raise ValueError(f"feature_noise: features width {nH} is not a multiple of {n_layers} layers")
+    x = features.float().reshape(B, T, n_layers, nH // n_layers)  # [B, T, n, H]
+    rms = x.pow(2).mean(-1, keepdim=True).sqrt()  # [B, T, n, 1]
+    z = torch.randn(x.shape, generator=generator, device=x.device)
+    return (x + sigma * rms * z).reshape(B, T, nH).to(features.dtype)
+
+
 class Target:
     """A frozen causal LM plus its tokenizer.
 

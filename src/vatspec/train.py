@@ -42,7 +42,7 @@ from vatspec.losses import head_alive_logits, vat_objective
 from vatspec.metrics import MetricAccumulator, chain_metrics
 from vatspec.optim import build_optimizer
 from vatspec.outputs import OutputError, check_apart, check_folder, claim_folder, mark_folder, owner
-from vatspec.target import TargetOutput
+from vatspec.target import TargetOutput, feature_noise
 from vatspec.verify import simulate_verification
 
 REFERENCE = {  # the reference recipes' optimiser defaults per drafter (EAGLE-3, DFlash)
@@ -164,6 +164,9 @@ def arms_micro_step(arms, target, batch, generators) -> Iterator[StepResult]:
     if len(arms) > 1:
         shared = TeacherShare(keep_soft=any(a.loss_cfg.chunk_size and a.loss_cfg.uses_soft_labels for a in arms))
     for a, t, p, g in zip(arms, touts, plans, generators):
+        sigma = a.cfg.train.feature_noise
+        if sigma and a.model.training and t.features is not None:
+            t = replace(t, features=feature_noise(t.features, sigma, len(a.drafter.target_layer_ids), g))
         with autocast:  # the forward and the loss; the caller's backward runs outside it
             res = arm_step(a.model, a.drafter, batch, t, p, a.loss_cfg, g, shared)
         yield res

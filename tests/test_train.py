@@ -50,22 +50,25 @@ def _losses(run_dir: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def _killed_at_step_2(run: Path, copy: Path) -> Path:
+    """A copy of a finished 4-step run folder as it was when killed right after its step-2 checkpoint."""
+    import shutil
+
+    shutil.copytree(run, copy)
+    (copy / "latest").write_text("step-000002\n")
+    shutil.rmtree(copy / "checkpoints" / "step-000004")
+    lines = (copy / "metrics.jsonl").read_text().splitlines()[:2]
+    (copy / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    return copy
+
+
 @pytest.mark.parametrize("kind, loss, optim", [("eagle3", "vat", "adamw"), ("dflash", "vat", "adamw"),
                                                ("eagle3", "vat", "muon"), ("dflash", "dflash", "muon")])
 def test_resume_reproduces_uninterrupted_losses(tiny_target_dir, data_file, tmp_path, kind, loss, optim):
     arm = [f"drafter.kind={kind}", f"loss.kind={loss}", f"optim.kind={optim}", "train.save_every=2"]
     full = _cfg(tiny_target_dir, data_file, tmp_path / "full", *arm)
     train(full, progress=False)
-    # a run killed right after its step-2 checkpoint: the same folder as it was at that moment
-    part_dir = tmp_path / "part"
-    import shutil
-
-    shutil.copytree(tmp_path / "full", part_dir)
-    # roll the copy back to its step-2 checkpoint, as if the process had been killed right after it
-    (part_dir / "latest").write_text("step-000002\n")
-    shutil.rmtree(part_dir / "checkpoints" / "step-000004")
-    lines = (part_dir / "metrics.jsonl").read_text().splitlines()[:2]
-    (part_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    part_dir = _killed_at_step_2(tmp_path / "full", tmp_path / "part")
     resumed = _cfg(tiny_target_dir, data_file, part_dir, *arm)
     train(resumed, resume=True, progress=False)
     a, b = _losses(tmp_path / "full"), _losses(part_dir)
@@ -236,12 +239,7 @@ def test_feature_noise_reaches_training_steps_only(tiny_target_dir, data_file, t
     assert all(torch.equal(c, n) for c, n in zip(by["clean", False], by["noisy", False]))
     assert _losses(tmp_path / "clean") != _losses(tmp_path / "noisy")
     # resumed from its step-2 checkpoint, the noisy arm draws the same noise as it did uninterrupted
-    import shutil
-
-    part = tmp_path / "noisy-part"
-    shutil.copytree(tmp_path / "noisy", part)
-    (part / "latest").write_text("step-000002\n")
-    shutil.rmtree(part / "checkpoints" / "step-000004")
+    part = _killed_at_step_2(tmp_path / "noisy", tmp_path / "noisy-part")
     monkeypatch.setattr(T, "arm_step", step)
     train(_cfg(tiny_target_dir, data_file, part, *arm, "train.feature_noise=0.3"), resume=True, progress=False)
     assert _losses(part) == pytest.approx(_losses(tmp_path / "noisy"), rel=1e-6, abs=1e-7)

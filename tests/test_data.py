@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import vatspec.data.regen as regen_mod
 from vatspec.data import (
     Batch,
     BatchIterator,
@@ -347,28 +348,22 @@ def test_regenerate_resumes_after_interruption(tmp_path, tiny_smol_target, caplo
     assert len(load_conversations(part)) == 5
 
 
-class ScriptedModel(torch.nn.Module):
-    """Stands in for the HF model: ``generate`` appends a fixed reply per row, then padding."""
+class ScriptedRows:
+    """Stands in for ``generate_rows``: a fixed reply per row, cut at the row's budget (budgets recorded)."""
 
     def __init__(self, replies: list[list[int]]):
-        super().__init__()
-        self.replies = replies
-        self.w = torch.nn.Parameter(torch.zeros(1))
+        self.replies, self.budgets = replies, []
 
-    def generate(self, input_ids, attention_mask, generation_config):
-        self.budgets = [*getattr(self, "budgets", []), generation_config.max_new_tokens]
-        replies = [self.replies[i % len(self.replies)][: generation_config.max_new_tokens]
-                   for i in range(input_ids.shape[0])]
-        tail = torch.full((input_ids.shape[0], max(map(len, replies))), generation_config.pad_token_id)
-        for i, r in enumerate(replies):
-            tail[i, : len(r)] = torch.tensor(r)
-        return torch.cat([input_ids, tail], dim=1)
+    def __call__(self, target, prompts, budgets, **kw):
+        self.budgets.append(list(budgets))
+        return [self.replies[i % len(self.replies)][:b] for i, b in enumerate(budgets)]
 
 
-def test_regenerate_stops_at_eos_and_strips_it(tmp_path, tok):
+def test_regenerate_stops_at_eos_and_strips_it(tmp_path, tok, monkeypatch):
     hello = tok("Hello world", add_special_tokens=False)["input_ids"]
-    model = ScriptedModel([hello + [IM_END], hello + hello])  # row 0 stops, row 1 runs out of budget
-    target = SimpleNamespace(tokenizer=tok, model=model, eos_token_ids=[IM_END], device=torch.device("cpu"))
+    # row 0 stops, row 1 runs out of budget
+    monkeypatch.setattr(regen_mod, "generate_rows", ScriptedRows([hello + [IM_END], hello + hello]))
+    target = SimpleNamespace(tokenizer=tok, eos_token_ids=[IM_END], device=torch.device("cpu"))
     convs = [Conversation("x", [{"role": "user", "content": "long prompt " * 3}]),
              Conversation("y", [{"role": "user", "content": "hi"}])]
     st = regenerate(convs, target, tmp_path / "o.jsonl", batch_size=2, max_new_tokens=2 * len(hello), progress=False)
@@ -379,7 +374,7 @@ def test_regenerate_stops_at_eos_and_strips_it(tmp_path, tok):
     assert st.new_tokens == len(hello) + 1 + 2 * len(hello) and st.truncated_turns == 1
 
 
-def test_regenerate_stops_at_the_training_length_with_the_same_training_tokens(tmp_path, tok):
+def test_regenerate_stops_at_the_training_length_with_the_same_training_tokens(tmp_path, tok, monkeypatch):
     from vatspec.data.regen import CUT_MARGIN
 
     words = tok(" one two three four five six seven eight nine ten" * 6, add_special_tokens=False)["input_ids"]
@@ -390,14 +385,17 @@ def test_regenerate_stops_at_the_training_length_with_the_same_training_tokens(t
     max_length = lens["long"] + 10  # the long prompt's row passes it, the short one's does not yet
     recs, models = {}, {}
     for cut in (None, max_length):
-        model = models[cut] = ScriptedModel([words])
-        target = SimpleNamespace(tokenizer=tok, model=model, eos_token_ids=[IM_END], device=torch.device("cpu"))
+        model = models[cut] = ScriptedRows([words])
+        monkeypatch.setattr(regen_mod, "generate_rows", model)
+        target = SimpleNamespace(tokenizer=tok, eos_token_ids=[IM_END], device=torch.device("cpu"))
         out = tmp_path / f"{cut}.jsonl"
         regenerate(convs, target, out, batch_size=2, max_new_tokens=len(words), max_length=cut, progress=False)
         recs[cut] = {r["id"]: Conversation(r["id"], r["messages"], r["meta"]) for r in read_jsonl(out)}
-    # one round generates until the shorter prompt's row holds max_length tokens and the margin
-    assert models[max_length].budgets[0] == max_length + CUT_MARGIN - lens["short"] < len(words)
-    assert models[None].budgets == [len(words)] * 2
+    # each row generates until it holds max_length tokens and the margin (longest prompt first)
+    assert models[max_length].budgets[0] == [max_length + CUT_MARGIN - lens["long"],
+                                             max_length + CUT_MARGIN - lens["short"]]
+    assert max(models[max_length].budgets[0]) < len(words)
+    assert models[None].budgets == [[len(words)] * 2, [len(words)]]
     for cid in ("long", "short"):
         whole = tokenize_conversation(recs[None][cid], tok, max_length=max_length)
         cut = tokenize_conversation(recs[max_length][cid], tok, max_length=max_length)
@@ -407,6 +405,77 @@ def test_regenerate_stops_at_the_training_length_with_the_same_training_tokens(t
     assert [m["role"] for m in recs[max_length]["short"].messages] == ["user", "assistant"]
     assert recs[max_length]["short"].meta["finish"] == ["length"]
     assert [m["role"] for m in recs[None]["short"].messages] == ["user", "assistant"] * 2
+
+
+def _hf_greedy(model, prompt: list[int], budget: int, eos: int) -> list[int]:
+    """One prompt alone through Hugging Face ``generate``, greedy: the reference for ``generate_rows``."""
+    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                         max_new_tokens=budget, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    new = out[0, len(prompt):].tolist()
+    return new[: new.index(eos) + 1] if eos in new else new
+
+
+def test_generate_rows_equals_generate_row_by_row_as_rows_leave_the_batch():
+    """Left-padded rows of different lengths and budgets, greedy: each row's tokens are those of HF
+    ``generate`` on that prompt alone, up to its budget or its end token (kept), while finished rows
+    leave the batch (nine rows: the first to finish is an eighth of them)."""
+    from tests.conftest import tiny_llama
+    from vatspec.data.regen import generate_rows
+    from vatspec.target import Target
+
+    target = Target(tiny_llama(vocab_size=96, hidden_size=32, layers=2), None)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 96, (n,), generator=g).tolist() for n in (5, 9, 3, 12, 7, 4, 10, 6, 8)]
+    budgets = [2, 9, 4, 12, 1, 7, 12, 3, 10]
+    free = [_hf_greedy(target.model, p, b, eos=-1) for p, b in zip(prompts, budgets)]  # no end token
+    assert [len(f) for f in free] == budgets
+    eos = free[6][4]  # an end token some rows reach before their budget
+    want = [_hf_greedy(target.model, p, b, eos=eos) for p, b in zip(prompts, budgets)]
+    assert any(len(w) < b for w, b in zip(want, budgets)), "no row stops at the end token"
+    calls = []  # the rows of each forward pass
+    target.model.model.register_forward_pre_hook(lambda m, a, kw: calls.append(kw["input_ids"].shape[0]),
+                                                 with_kwargs=True)
+    got = generate_rows(target, prompts, budgets, eos=[eos], pad_id=0)
+    assert got == want
+    assert calls[0] == 9 and min(calls) < 9  # rows left the batch
+    assert calls == sorted(calls, reverse=True)
+
+
+def test_generate_rows_samples_reproducibly_and_top_p_keeps_the_nucleus():
+    from tests.conftest import tiny_llama
+    from vatspec.data.regen import generate_rows
+    from vatspec.target import Target
+
+    target = Target(tiny_llama(vocab_size=96, hidden_size=32, layers=2), None)
+    prompts, budgets = [[5, 6, 7], [8, 9]], [6, 6]
+
+    def sample(top_p, seed):
+        return generate_rows(target, prompts, budgets, eos=[-1], pad_id=0, temperature=1.0, top_p=top_p,
+                             generator=torch.Generator().manual_seed(seed))
+
+    assert sample(1.0, 3) == sample(1.0, 3)
+    assert sample(1.0, 3) != sample(1.0, 4)
+    # a nucleus that holds only the most likely token samples the greedy tokens
+    assert sample(1e-6, 3) == generate_rows(target, prompts, budgets, eos=[-1], pad_id=0)
+
+
+def test_regenerate_batches_by_rows_and_prompt_tokens(tok):
+    from vatspec.data.regen import _batches, _first_prompt_len, longest_first
+
+    convs = longest_first([Conversation(f"c{i}", [{"role": "user", "content": "word " * n}])
+                           for i, n in enumerate((40, 30, 20, 10, 10, 10, 5, 5))])
+    lens = [_first_prompt_len(c, tok) for c in convs]
+    assert lens == sorted(lens, reverse=True) and lens[0] > lens[3]
+    assert [len(b) for b in _batches(convs, tok, 3, None)] == [3, 3, 2]
+    budget = 2 * lens[0]  # two rows of the longest, more of the shorter
+    sizes = [len(b) for b in _batches(convs, tok, 8, budget)]
+    assert sum(sizes) == 8 and sizes[0] == 2 and max(sizes) > 2
+    b0 = 0
+    for n in sizes:  # every batch within the budget (rows x its longest prompt)
+        assert n * lens[b0] <= budget or n == 1
+        b0 += n
+    assert [len(b) for b in _batches(convs[:1], tok, 8, 1)] == [1]  # one row over the budget still runs
+    assert _first_prompt_len(Conversation("s", [{"role": "system", "content": "no user turn"}]), tok) == 0
 
 
 @pytest.mark.slow

@@ -14,6 +14,7 @@ each engine's convention when writing a served checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import inspect
 import json
@@ -346,6 +347,17 @@ _TIMING_REPS = 5  # best of 5 after a warm-up: enough to separate kernels that d
 # kernel (EPYC, [576, 576], 1 row: F.linear 31 against 51 us hot, 113 against 75 us cold)
 _STREAM_BYTES = 256 * 2**20
 _MAX_COPIES = 256  # SmolLM2's smallest weight needs 203; a test model's tiny ones would need ~10^5
+
+
+@contextlib.contextmanager
+def few_row_kernel(kind: str):
+    """``FEW_ROW_KERNEL = kind`` inside the block (``auto``, ``matmul`` or ``linear``), restored after it."""
+    global FEW_ROW_KERNEL
+    old, FEW_ROW_KERNEL = FEW_ROW_KERNEL, kind
+    try:
+        yield
+    finally:
+        FEW_ROW_KERNEL = old
 
 
 def _matmul_linear(x2: Tensor, weight: Tensor) -> Tensor:

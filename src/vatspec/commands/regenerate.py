@@ -19,15 +19,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="output JSONL; resumed if it is an earlier regenerate output "
                                                      "(any other existing file is refused, never changed)")
     parser.add_argument("--target", default="default", help="local HF model folder, or 'default' (SmolLM2-135M)")
-    parser.add_argument("--batch-size", type=int_arg(1), default=8)
+    parser.add_argument("--batch-size", type=int_arg(1), default=8, help="conversations a batch (at most)")
+    parser.add_argument("--batch-tokens", type=int_arg(1), default=None,
+                        help="also at most this many prompt tokens a batch (rows x its longest first prompt): "
+                             "wide batches of short prompts, narrow ones of long prompts (the demo: 64 and 4096)")
     parser.add_argument("--max-new-tokens", type=int_arg(1), default=512)
     parser.add_argument("--temperature", type=float_arg(0.0), default=0.0, help="0 = greedy (default)")
     parser.add_argument("--top-p", type=float_arg(0.0, 1.0, above=True), default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-prompt-tokens", type=int_arg(1), default=2048)
     parser.add_argument("--max-length", type=int_arg(1), default=None,
-                        help="the training length (data.max_length): stop generating once every row of a batch "
-                             "holds this many tokens, prompt included, plus a few; training sees the same tokens")
+                        help="the training length (data.max_length): a row stops generating once it holds this "
+                             "many tokens, prompt included, plus a few; training sees the same tokens")
     parser.add_argument("--limit", type=int_arg(0), default=None, help="only the first N conversations")
     parser.add_argument("--skip-bad", action="store_true", help="skip (and count) bad input records")
     parser.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
@@ -72,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
         target,
         args.out,
         batch_size=args.batch_size,
+        batch_tokens=args.batch_tokens,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         top_p=args.top_p,

@@ -41,6 +41,7 @@ def regenerate(
     out_path: str | os.PathLike,
     *,
     batch_size: int = 8,
+    batch_tokens: int | None = None,
     max_new_tokens: int = 512,
     temperature: float = 0.0,
     top_p: float = 1.0,
@@ -58,10 +59,10 @@ def regenerate(
     ``truncated_turns``). A conversation stops at the first round whose prompt exceeds
     ``max_prompt_tokens``; if that is the first round it is not written (``too_long``).
 
-    ``max_length``: the training length, when known. A round then generates only until every row of
-    the batch holds ``max_length`` tokens (prompt included) and a few more, so the words at the cut
-    re-tokenize as they would in the whole text: tokens past the training length are never trained
-    on, so the training sequences are the same and the long-prompt batches finish sooner. Rows cut
+    ``max_length``: the training length, when known. A row then generates only until it holds
+    ``max_length`` tokens (prompt included) and a few more, so the words at the cut re-tokenize as
+    they would in the whole text: tokens past the training length are never trained on, so the
+    training sequences are the same and long prompts finish sooner. Rows cut
     there finish as ``"length"``. A later user turn whose prompt already holds ``max_length``
     tokens ends the conversation (nothing after it fits the training window).
 
@@ -69,7 +70,10 @@ def regenerate(
     restart skips ids already in the file, after cutting off a partial last line. An existing
     ``out_path`` that is not this function's output (``is_regenerated``) is an ``OutputError``
     before anything is written or cut.
-    Conversations are batched ``batch_size`` at a time with left padding, longest prompts first.
+    Conversations are batched longest prompts first, left-padded: ``batch_size`` at most, and with
+    ``batch_tokens`` at most that many first-prompt tokens (rows x the longest row), so short prompts run
+    in wide batches and long ones, whose prefill a wide batch slows, in narrow ones. A row that is done
+    (an end token, its budget, its training length) leaves the batch (``generate_rows``).
     """
     from tqdm.auto import tqdm
 
@@ -90,11 +94,10 @@ def regenerate(
     t0 = time.perf_counter()
     bar = tqdm(total=len(todo), unit="conv", desc="regenerate", disable=not progress)
     with open(out_path, "a", encoding="utf-8") as f:
-        for b in range(0, len(todo), batch_size):
-            chunk = todo[b : b + batch_size]
-            torch.manual_seed(zlib.crc32(f"{seed}:{chunk[0].id}".encode()))
+        for chunk in _batches(todo, tok, batch_size, batch_tokens):
+            gen = torch.Generator(target.device).manual_seed(zlib.crc32(f"{seed}:{chunk[0].id}".encode()))
             for conv, finishes in _regenerate_batch(chunk, target, eos, pad_id, max_new_tokens, temperature, top_p,
-                                                    max_prompt_tokens, max_length, stats):
+                                                    max_prompt_tokens, max_length, stats, gen):
                 if not finishes:
                     stats.too_long += 1
                     continue
@@ -117,25 +120,39 @@ def longest_first(convs: Sequence[Conversation]) -> list[Conversation]:
     return sorted(convs, key=lambda c: -sum(len(m["content"]) for m in c.messages if m["role"] != "assistant"))
 
 
+def _batches(convs: list[Conversation], tok, batch_size: int, batch_tokens: int | None):
+    """``convs`` (longest first) in consecutive batches of at most ``batch_size`` rows and, with
+    ``batch_tokens``, at most that many first-prompt tokens counted as rows x the longest (one row at least)."""
+    batch: list[Conversation] = []
+    widest = 0
+    for c in convs:
+        n = _first_prompt_len(c, tok) if batch_tokens else 0
+        if batch and (len(batch) == batch_size or (batch_tokens and (len(batch) + 1) * max(widest, n) > batch_tokens)):
+            yield batch
+            batch, widest = [], 0
+        batch.append(c)
+        widest = max(widest, n)
+    if batch:
+        yield batch
+
+
+def _first_prompt_len(conv: Conversation, tok) -> int:
+    msgs = [m for m in conv.messages if m["role"] != "assistant"]
+    first = next((i for i, m in enumerate(msgs) if m["role"] == "user"), None)
+    if first is None:  # nothing to answer: regenerate writes no record for it
+        return 0
+    text = tok.apply_chat_template(msgs[: first + 1], tokenize=False, add_generation_prompt=True)
+    return len(tok(text, add_special_tokens=False)["input_ids"])
+
+
 # tokens generated past the training length: a cut inside a word would re-tokenize the word's head
 CUT_MARGIN = 8
 
 
 def _regenerate_batch(convs, target, eos, pad_id, max_new_tokens, temperature, top_p, max_prompt_tokens, max_length,
-                      stats):
+                      stats, generator):
     """Run the rounds of a batch together; yields ``(conversation, finish reasons)`` per input."""
-    from transformers import GenerationConfig
-
     tok = target.tokenizer
-    gen_cfg = GenerationConfig(
-        max_new_tokens=max_new_tokens,
-        do_sample=temperature > 0,
-        temperature=temperature if temperature > 0 else None,
-        top_p=top_p if temperature > 0 else None,
-        top_k=None,
-        eos_token_id=eos,
-        pad_token_id=pad_id,
-    )
     pending = [[m for m in c.messages if m["role"] != "assistant"] for c in convs]
     history: list[list[dict]] = [[] for _ in convs]
     finishes: list[list[str]] = [[] for _ in convs]
@@ -161,22 +178,13 @@ def _regenerate_batch(convs, target, eos, pad_id, max_new_tokens, temperature, t
                     break
         if not rows:
             break
-        # 2. left-pad and generate
-        T = max(len(p) for p in prompts)
-        input_ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
-        attn = torch.zeros((len(rows), T), dtype=torch.long)
-        for r, p in enumerate(prompts):
-            input_ids[r, T - len(p) :] = torch.tensor(p)
-            attn[r, T - len(p) :] = 1
-        if max_length is not None:
-            gen_cfg.max_new_tokens = min(max_new_tokens, max(1, max_length + CUT_MARGIN - min(map(len, prompts))))
-        with torch.no_grad():
-            out = target.model.generate(
-                input_ids=input_ids.to(target.device), attention_mask=attn.to(target.device), generation_config=gen_cfg
-            )
+        # 2. generate: each row until an end token, max_new_tokens, or (max_length) the training length + margin
+        budgets = [max_new_tokens if max_length is None
+                   else min(max_new_tokens, max(1, max_length + CUT_MARGIN - len(p))) for p in prompts]
+        news = generate_rows(target, prompts, budgets, eos=eos, pad_id=pad_id, temperature=temperature,
+                             top_p=top_p, generator=generator)
         # 3. cut each row at its first end token; the text excludes it
-        for r, j in enumerate(rows):
-            new = out[r, T:].tolist()
+        for new, j in zip(news, rows):
             stop = next((k for k, t in enumerate(new) if t in eos), None)
             finishes[j].append("length" if stop is None else "stop")
             stats.truncated_turns += stop is None
@@ -189,6 +197,76 @@ def _regenerate_batch(convs, target, eos, pad_id, max_new_tokens, temperature, t
         while history[j] and history[j][-1]["role"] != "assistant":
             history[j].pop()
         yield Conversation(conv.id, history[j], conv.meta), finishes[j]
+
+
+@torch.no_grad()
+def generate_rows(target, prompts: list[list[int]], budgets: list[int], *, eos, pad_id: int, temperature: float = 0.0,
+                  top_p: float = 1.0, generator: torch.Generator | None = None) -> list[list[int]]:
+    """Each prompt's continuation by ``target`` (a ``vatspec.target.Target``): at most ``budgets[r]`` new
+    tokens, ending at the first of ``eos`` (kept). The rows run together, left-padded, with a KV cache;
+    greedy when ``temperature == 0`` (the tokens of Hugging Face ``generate``), else sampled with ``top_p``.
+
+    A row that is done leaves the batch once an eighth of the live rows are done (its cache rows are
+    dropped: one copy of the cache), so a wide batch costs what its live rows cost, where ``generate``
+    runs every row until the last one ends. The linears run as ``F.linear`` at every row count: the
+    few-row kernel would time itself once for each of the 1-16 row counts a shrinking batch passes
+    (~40 s on the 2-core CPU) to speed up only a batch's last few steps."""
+    from vatspec.target import few_row_kernel
+
+    with few_row_kernel("linear"):
+        return _generate_rows(target, prompts, budgets, eos, pad_id, temperature, top_p, generator)
+
+
+def _generate_rows(target, prompts, budgets, eos, pad_id, temperature, top_p, generator) -> list[list[int]]:
+    device = target.device
+    n, T = len(prompts), max(map(len, prompts))
+    ids = torch.full((n, T), pad_id, dtype=torch.long)
+    attn = torch.zeros((n, T), dtype=torch.long)
+    for r, p in enumerate(prompts):
+        ids[r, T - len(p):] = torch.tensor(p)
+        attn[r, T - len(p):] = 1
+    ids, attn = ids.to(device), attn.to(device)
+    pos = (attn.cumsum(-1) - 1).clamp_min(0)
+    last = torch.zeros_like(attn, dtype=torch.bool)
+    last[:, -1] = True
+    tout = target(ids, attn, logits_at=last, position_ids=pos, use_cache=True)
+    logits, cache, pos = tout.logits, tout.past_key_values, pos[:, -1:]
+    eos_t = torch.tensor(list(eos), device=device)
+    budget = torch.tensor(budgets, device=device)
+    live = torch.arange(n, device=device)  # the prompt of each cache row
+    done = torch.zeros(n, dtype=torch.bool, device=device)  # per cache row
+    out: list[list[int]] = [[] for _ in range(n)]
+    for step in range(1, max(budgets) + 1):
+        nxt = _next_tokens(logits, temperature, top_p, generator)
+        for r, t, d in zip(live.tolist(), nxt.tolist(), done.tolist()):
+            if not d:
+                out[r].append(t)
+        done |= torch.isin(nxt, eos_t) | (budget[live] <= step)
+        n_done = int(done.sum())
+        if n_done == len(live):
+            break
+        if n_done * 8 >= len(live):  # drop the finished rows
+            keep = (~done).nonzero().squeeze(1)
+            cache.batch_select_indices(keep)
+            live, nxt, attn, pos, done = live[keep], nxt[keep], attn[keep], pos[keep], done[keep]
+        attn = torch.cat([attn, attn.new_ones(len(live), 1)], 1)
+        pos = pos + 1
+        logits = target(nxt[:, None], attn, position_ids=pos, past_key_values=cache, use_cache=True).logits[:, -1]
+    return out
+
+
+def _next_tokens(logits: torch.Tensor, temperature: float, top_p: float, generator) -> torch.Tensor:
+    """Greedy (``temperature == 0``), else sampled from the ``top_p`` nucleus of ``softmax(logits / temperature)``."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits / temperature, dim=-1)
+    if top_p < 1.0:
+        p_sorted, idx = probs.sort(dim=-1, descending=True)
+        outside = p_sorted.cumsum(-1) - p_sorted >= top_p  # the most likely token always stays
+        probs = torch.zeros_like(probs).scatter_(-1, idx, p_sorted.masked_fill(outside, 0.0))
+    # the generator's device: a model split over devices (device_map) has its logits on the last one
+    dev = generator.device if generator is not None else probs.device
+    return torch.multinomial(probs.to(dev), 1, generator=generator).squeeze(1).to(logits.device)
 
 
 def is_regenerated(rec) -> bool:

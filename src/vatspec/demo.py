@@ -136,6 +136,11 @@ def _slug(name: str) -> str:
 
 
 # ----------------------------------------------------------------------------- steps
+# regeneration's batches: 64 rows at most, 4096 first-prompt tokens at most (rows x the longest), so the demo's
+# short prompts run 30-64 a batch and its longest ~12 (measured: scripts/bench_regen_batches.py)
+REGEN_BATCH = (64, 4096)
+
+
 def prepare_training_data(target, size: DemoSize, home: Path, progress: bool = True) -> tuple[Path, dict]:
     """N bundled prompts, answered by the target (greedy); cached and resumable."""
     from vatspec import data as D
@@ -146,7 +151,8 @@ def prepare_training_data(target, size: DemoSize, home: Path, progress: bool = T
     # short single-turn prompts: on a CPU the prefill of long prompts dominates regeneration
     prompts = prepare_prompts(size.prompts, seed=size.seed, max_turns=1, max_chars=600)
     t0 = time.perf_counter()
-    stats = D.regenerate(prompts, target, out, batch_size=16, max_new_tokens=size.regen_tokens,
+    stats = D.regenerate(prompts, target, out, batch_size=REGEN_BATCH[0], batch_tokens=REGEN_BATCH[1],
+                         max_new_tokens=size.regen_tokens,
                          max_length=size.max_length, progress=progress)
     info = {**dataclasses.asdict(stats), "seconds": time.perf_counter() - t0, "path": str(out),
             "tokens_per_s": stats.tokens_per_s}

@@ -1,6 +1,6 @@
 """The demo's regeneration: Hugging Face ``generate`` in batches of 16 against ``regenerate``, side by side.
 
-    .venv/bin/python scripts/bench_regen_batches.py [--n 256] [--threads 2] [--batch-size 64] [--batch-tokens 6144]
+    .venv/bin/python scripts/bench_regen_batches.py [--n 256] [--threads 2] [--batch-size 64] [--batch-tokens 4096]
 
 Takes the demo's training prompts (longest first) and answers them on the embedded target, greedy, at the
 demo's budget and training length, twice in one process: as ``regenerate`` did before (batches of 16
@@ -37,7 +37,7 @@ def main() -> int:
     from vatspec.benchmarks import prepare_prompts
     from vatspec.data import regenerate, tokenize_conversation
     from vatspec.data.records import Conversation
-    from vatspec.data.regen import CUT_MARGIN, longest_first
+    from vatspec.data.regen import CUT_MARGIN, left_pad, longest_first
     from vatspec.demo import REGEN_BATCH, SIZES
     from vatspec.target import open_target
 
@@ -54,11 +54,8 @@ def main() -> int:
             chunk = convs[b : b + 16]
             ps = [tok(tok.apply_chat_template(c.messages, tokenize=False, add_generation_prompt=True),
                       add_special_tokens=False)["input_ids"] for c in chunk]
-            T = max(map(len, ps))
-            ids = torch.full((len(ps), T), tok.pad_token_id, dtype=torch.long)
-            attn = torch.zeros_like(ids)
-            for r, p in enumerate(ps):
-                ids[r, T - len(p):], attn[r, T - len(p):] = torch.tensor(p), 1
+            ids, attn = left_pad(ps, tok.pad_token_id)
+            T = ids.shape[1]
             budget = min(size.regen_tokens, max(1, size.max_length + CUT_MARGIN - min(map(len, ps))))
             with torch.no_grad():
                 gen = target.model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=budget, do_sample=False,

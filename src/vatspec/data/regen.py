@@ -219,13 +219,8 @@ def generate_rows(target, prompts: list[list[int]], budgets: list[int], *, eos, 
 
 def _generate_rows(target, prompts, budgets, eos, pad_id, temperature, top_p, generator) -> list[list[int]]:
     device = target.device
-    n, T = len(prompts), max(map(len, prompts))
-    ids = torch.full((n, T), pad_id, dtype=torch.long)
-    attn = torch.zeros((n, T), dtype=torch.long)
-    for r, p in enumerate(prompts):
-        ids[r, T - len(p):] = torch.tensor(p)
-        attn[r, T - len(p):] = 1
-    ids, attn = ids.to(device), attn.to(device)
+    n = len(prompts)
+    ids, attn = (t.to(device) for t in left_pad(prompts, pad_id))
     pos = (attn.cumsum(-1) - 1).clamp_min(0)
     last = torch.zeros_like(attn, dtype=torch.bool)
     last[:, -1] = True
@@ -253,6 +248,17 @@ def _generate_rows(target, prompts, budgets, eos, pad_id, temperature, top_p, ge
         pos = pos + 1
         logits = target(nxt[:, None], attn, position_ids=pos, past_key_values=cache, use_cache=True).logits[:, -1]
     return out
+
+
+def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids, attention_mask)`` ``[len(prompts), longest]``: each prompt at the right end of its row."""
+    T = max(map(len, prompts))
+    ids = torch.full((len(prompts), T), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(prompts), T), dtype=torch.long)
+    for r, p in enumerate(prompts):
+        ids[r, T - len(p):] = torch.tensor(p)
+        attn[r, T - len(p):] = 1
+    return ids, attn
 
 
 def _next_tokens(logits: torch.Tensor, temperature: float, top_p: float, generator) -> torch.Tensor:

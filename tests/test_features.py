@@ -23,6 +23,7 @@ LAYERS = [1, 2, 3]  # covers both drafters on a 6-layer target: eagle3 (1, 2, 2)
 # Online and cached runs see the same batches; the features differ only by the float rounding of
 # a forward over another batch composition (the cache pads each shard's batches differently).
 LOSS_RTOL = 1e-5
+BF16_LOSS_RTOL = 1e-4  # the same under bfloat16 products: ~2e-5 on these losses
 
 
 @pytest.fixture(scope="module")
@@ -319,8 +320,9 @@ def test_a_shard_changed_after_it_was_written_fails_its_checksum(cache_dir, tmp_
 
 # ----------------------------------------------------------------------------- command line
 def test_cli_writes_validates_and_trains(tiny_dir, data_file, tmp_path, capsys):
-    """bfloat16 storage, both drafters' default layers, several shards; --validate passes; a
-    damaged copy is reported line by line; training from the bfloat16 cache runs."""
+    """bfloat16 storage computed under bf16 autocast, both drafters' default layers, several shards;
+    --validate passes (its fresh forward under autocast too); a damaged copy is reported line by line;
+    training from the bfloat16 cache runs."""
     import shutil
 
     from vatspec.cli import main
@@ -328,11 +330,12 @@ def test_cli_writes_validates_and_trains(tiny_dir, data_file, tmp_path, capsys):
     out = tmp_path / "c"
     rc = main(["cache-features", str(data_file), "--out", str(out), "--target", str(tiny_dir), "--drafter", "eagle3",
                "--drafter", "dflash", "--max-length", "64", "--shard-size", "16KiB", "--batch-size", "3",
-               "--device", "cpu", "--no-progress"])
+               "--device", "cpu", "--precision", "bf16", "--no-progress"])
     text = capsys.readouterr().out
-    assert rc == 0 and "24 conversations" in text and "layers [1, 2, 3]" in text and "bfloat16" in text, text
+    assert rc == 0 and "24 conversations" in text and "layers [1, 2, 3], bfloat16 computed in bf16" in text, text
     man = json.loads((out / "manifest.json").read_text())
     assert man["layer_ids"] == [1, 2, 3] and man["dtype"] == "bfloat16" and len(man["shards"]) > 2
+    assert man["precision"] == "bf16"
     assert man["target"]["path"] == str(tiny_dir) and man["source"]["path"] == str(data_file)
 
     assert main(["cache-features", "--validate", str(out), "--sample", "3"]) == 0
@@ -456,3 +459,59 @@ def test_a_device_map_target_writes_the_same_cache(tiny_dir, data_file, cache_di
     mapped = Target.from_pretrained(tiny_dir, device_map="cpu")
     _write(mapped, data_file, tmp_path / "c")
     assert _shas(tmp_path / "c") == _shas(cache_dir)
+
+
+# ----------------------------------------------------------------------------- precision
+def test_a_bf16_cache_trains_as_online_bf16_training(tiny_dir, target, data_file, cache_dir, tmp_path):
+    """precision=bf16 runs the target pass under bfloat16 autocast, as train.precision=bf16 runs it online:
+    its features are an autocast forward's (bfloat16 products, a ~1e-2 change from the float32 pass), and
+    training from it gives online bf16 training's losses and held-out metrics."""
+    from vatspec.train import precision_context
+
+    c16 = tmp_path / "bf16"
+    assert _write(target, data_file, c16, precision="bf16")["precision"] == "bf16"
+    cache, old = FeatureCache(c16), FeatureCache(cache_dir)
+    assert cache.precision == "bf16" and old.precision == "fp32"
+    for row in (0, 11, 23):
+        ids = torch.tensor([cache.examples([row])[0].input_ids])
+        with torch.no_grad(), precision_context(target.device, "bf16"):
+            fresh = target(ids, torch.ones_like(ids), LAYERS, logits=False)
+        feats, hidden = cache.read(row, LAYERS)
+        torch.testing.assert_close(feats, fresh.features[0].float(), rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(hidden, fresh.hidden[0].float(), rtol=1e-2, atol=1e-2)
+        f32, _ = old.read(row, LAYERS)
+        assert 1e-3 < float((feats - f32).norm() / f32.norm()) < 5e-2  # bfloat16 rounding, not another layer
+
+    kinds = [("eagle3", "vat"), ("dflash", "vat")]
+
+    def cfgs(root, **src):
+        return [_cfg(tiny_dir, root / k, f"drafter.kind={k}", f"loss.kind={loss}", "train.precision=bf16", **src)
+                for k, loss in kinds]
+
+    train_arms(cfgs(tmp_path / "online", data=data_file), progress=False)
+    train_arms(cfgs(tmp_path / "cached", features=c16), progress=False)
+    for k, _ in kinds:
+        a, b = _records(tmp_path / "online" / k), _records(tmp_path / "cached" / k)
+        assert len(a) == len(b) == 3 and "eval/tau_sim" in a[-1]
+        for ra, rb in zip(a, b):
+            keys = [key for key in ra if key.startswith(("loss", "train/", "eval/"))]
+            assert _flat(rb, keys) == pytest.approx(_flat(ra, keys), rel=BF16_LOSS_RTOL, abs=1e-6, nan_ok=True), k
+
+
+def test_a_cache_from_before_precision_was_recorded_is_fp32(target, data_file, cache_dir, tmp_path):
+    """A manifest without ``precision`` (written before it was recorded) ran in float32: it resumes as one,
+    and a bf16 write into it is refused."""
+    import shutil
+
+    out = tmp_path / "old"
+    shutil.copytree(cache_dir, out)
+    man = json.loads((out / "manifest.json").read_text())
+    del man["precision"]
+    (out / "manifest.json").write_text(json.dumps(man))
+    assert _write(target, data_file, out)["written"]["shards"] == 0
+    assert FeatureCache(out).precision == "fp32"
+    with pytest.raises(FeatureCacheError, match="precision differs"):
+        _write(target, data_file, out, precision="bf16")
+    with pytest.raises(FeatureCacheError, match="precision 'fp16' is not one of fp32, bf16"):
+        _write(target, data_file, tmp_path / "new", precision="fp16")
+    assert not (tmp_path / "new").exists()

@@ -2,6 +2,7 @@
 (``vatspec.features``), so that ``vatspec train data.features=DIR`` needs no target forward.
 
     vatspec cache-features train.jsonl --out cache/ --drafter eagle3 --drafter dflash --dtype bfloat16
+    vatspec cache-features train.jsonl --out cache/ --dtype float32 --precision bf16   # as train.precision=bf16
     vatspec cache-features train.jsonl --out cache/ --layers 1,14,26      # resumes if cache/ is partial
     vatspec cache-features --validate cache/ [--target /path/to/model] [--sample 8]
     torchrun --nproc_per_node=8 -m vatspec.cli cache-features train.jsonl --out cache/ --target /m   # one GPU a rank
@@ -14,6 +15,7 @@ import os
 import re
 
 from vatspec.commands import DTYPE_METAVAR, dtype_arg, int_arg, report
+from vatspec.features.format import PRECISIONS
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
           "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
@@ -67,6 +69,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "union); default with no --layers: eagle3 and dflash")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                         help="storage dtype of the features (default bfloat16)")
+    parser.add_argument("--precision", default="fp32", choices=PRECISIONS,
+                        help="the target pass's arithmetic: fp32 (the target's dtype) or bf16 (bfloat16 autocast, as "
+                             "train.precision=bf16 runs the target online); it should be train.precision of the "
+                             "training run (default fp32)")
     parser.add_argument("--shard-size", type=size_arg, default=2**30, help="bytes per shard (default 1GiB)")
     parser.add_argument("--max-length", type=int_arg(2), default=2048,
                         help="tokens per conversation (data.max_length)")
@@ -127,7 +133,7 @@ def _validate(args: argparse.Namespace) -> int:
     if s:
         print(f"{args.validate}: {s['conversations']} conversations, {s['tokens']} tokens, {s['shards_ok']} of "
               f"{s['shards']} shards intact, {s['bytes'] / 2**20:.1f} MiB ({s['bytes_per_token']:.0f} bytes/token), "
-              f"layers {s['layer_ids']}, {s['dtype']}"
+              f"layers {s['layer_ids']}, {s['dtype']} computed in {s['precision']}"
               + (f"; {s['sampled']} rows match a fresh forward within {s['max_rel_error']:.1e}" if "sampled" in s
                  else ""))
     print("ok" if rep.ok else f"{len(rep.problems)} problem(s)")
@@ -140,6 +146,7 @@ def _write(args: argparse.Namespace) -> int:
 
     from vatspec.data import load_conversations
     from vatspec.features import drafter_layer_ids, finalize_cache, write_cache
+    from vatspec.features.format import manifest_precision
     from vatspec.target import open_target
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -163,7 +170,8 @@ def _write(args: argparse.Namespace) -> int:
     else:
         layer_ids = [i for kind, n in (args.drafter or [("eagle3", 1), ("dflash", 1)])
                      for i in drafter_layer_ids(kind, target.num_layers, n)]
-    man = write_cache(target, convs, args.out, layer_ids=layer_ids, dtype=args.dtype, shard_size=args.shard_size,
+    man = write_cache(target, convs, args.out, layer_ids=layer_ids, dtype=args.dtype, precision=args.precision,
+                      shard_size=args.shard_size,
                       max_length=args.max_length, batch_size=args.batch_size, source=args.data, rank=rank,
                       world=world, progress=not args.no_progress)
     w = man["written"]
@@ -180,5 +188,6 @@ def _write(args: argparse.Namespace) -> int:
     rate = f" at {w['tokens'] / w['seconds']:.0f} tokens/s" if w["tokens"] else " (already complete)"
     print(f"{args.out}: {man['conversations']} conversations, {man['tokens']} tokens in {len(man['shards'])} "
           f"shard(s), {size / 2**20:.1f} MiB ({size / max(1, man['tokens']):.0f} bytes/token), layers "
-          f"{man['layer_ids']}, {man['dtype']}; wrote {w['shards']} shard(s){rate}")
+          f"{man['layer_ids']}, {man['dtype']} computed in {manifest_precision(man)}; wrote {w['shards']} "
+          f"shard(s){rate}")
     return 0

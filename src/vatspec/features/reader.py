@@ -36,6 +36,7 @@ from vatspec.features.format import (
     check_target,
     file_sha256,
     layer_key,
+    manifest_precision,
     read_manifest,
     storage_dtype,
     token_hash,
@@ -67,6 +68,7 @@ class FeatureCache:
         self.layer_ids: list[int] = list(m["layer_ids"])
         self.hidden_size: int = int(m["target"]["hidden_size"])
         self.dtype: torch.dtype = storage_dtype(m["dtype"])
+        self.precision: str = manifest_precision(m)  # the target pass's arithmetic: fp32 | bf16
         index = self.root / INDEX
         if not index.is_file():
             raise self._error(f"{INDEX} is missing")

@@ -55,7 +55,7 @@ def validate_cache(root: str | Path, target=None, *, sample: int = 4, seed: int 
             rep.problems.append(str(e))
     rep.summary = {"conversations": m["conversations"], "tokens": m["tokens"], "shards": len(m["shards"]),
                    "bytes": sum(s["bytes"] for s in m["shards"]), "layer_ids": m["layer_ids"], "dtype": m["dtype"],
-                   "shards_ok": len(good)}
+                   "precision": cache.precision, "shards_ok": len(good)}
     rep.summary["bytes_per_token"] = rep.summary["bytes"] / max(1, m["tokens"])
     if sample <= 0 or not good:
         return rep
@@ -83,11 +83,16 @@ def validate_cache(root: str | Path, target=None, *, sample: int = 4, seed: int 
 @torch.no_grad()
 def _compare(cache: FeatureCache, target, rows: list[int], rep: ValidationReport) -> float:
     """Fresh forward of each row alone; per tensor, the relative error against the cached one."""
-    tol = max(TOLERANCE[cache.manifest["dtype"]], TOLERANCE.get(cache.manifest["target"]["dtype"], 0.0))
+    from vatspec.train import precision_context
+
+    # a pass in bfloat16 products (target dtype or autocast) rounds as they do, whatever the storage
+    tol = max(TOLERANCE[cache.manifest["dtype"]], TOLERANCE.get(cache.manifest["target"]["dtype"], 0.0),
+              TOLERANCE["bfloat16"] if cache.precision == "bf16" else 0.0)
     worst = 0.0
     for i, ex in zip(rows, cache.examples(rows)):
         ids = torch.tensor([ex.input_ids], device=target.device)
-        fresh = target(ids, torch.ones_like(ids), cache.layer_ids, logits=False)
+        with precision_context(target.device, cache.precision):
+            fresh = target(ids, torch.ones_like(ids), cache.layer_ids, logits=False)
         feats, hidden = cache.read(i, cache.layer_ids)
         H = cache.hidden_size
         pairs = {layer_key(l): (feats[:, c * H : (c + 1) * H], fresh.features[0, :, c * H : (c + 1) * H])

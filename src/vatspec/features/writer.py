@@ -1,6 +1,6 @@
 """Writing a feature cache: the target run once over tokenized conversations, stored in shards.
 
-    manifest = write_cache(target, convs, "cache/", layer_ids=[1, 14, 15, 26], dtype="bfloat16")
+    manifest = write_cache(target, convs, "cache/", layer_ids=[1, 14, 15, 26], dtype="bfloat16", precision="bf16")
 
 Resumable: the shard plan is a function of the token lengths and the settings, so a restart
 recomputes it; a shard counts as written when its file and its sidecar (``shard-K.safetensors.json``:
@@ -32,6 +32,8 @@ from vatspec.features.format import (
     INDEX,
     MANIFEST,
     MASK_KEY,
+    OLD_PRECISION,
+    PRECISIONS,
     FeatureCacheError,
     atomic_write,
     bytes_per_token,
@@ -50,8 +52,10 @@ from vatspec.features.format import (
 )
 
 # manifest fields a restart must find unchanged (the rest are outcomes: sizes, checksums, timings)
-SETTINGS = ("target", "tokenizer_sha256", "chat_template_sha256", "layer_ids", "dtype", "max_length", "source",
-            "shard_size")
+SETTINGS = ("target", "tokenizer_sha256", "chat_template_sha256", "layer_ids", "dtype", "precision", "max_length",
+            "source", "shard_size")
+# a setting a cache written before it was recorded holds at this value
+_SETTING_DEFAULTS = {"precision": OLD_PRECISION}
 
 
 def plan_shards(lengths: Sequence[int], bytes_per_tok: int, shard_size: int) -> list[tuple[int, int]]:
@@ -75,6 +79,7 @@ def write_cache(
     *,
     layer_ids: Sequence[int],
     dtype: str = "bfloat16",
+    precision: str = "fp32",
     shard_size: int = 1 << 30,
     max_length: int = 2048,
     batch_size: int = 8,
@@ -90,6 +95,9 @@ def write_cache(
 
     layer_ids:  captured layers (this project's ids: output of layer i), stored sorted, no repeats.
     dtype:      storage dtype of the features and hidden states: bfloat16 | float16 | float32.
+    precision:  the target pass's arithmetic: ``fp32`` (the target's dtype) or ``bf16`` (bfloat16 autocast,
+                as ``train.precision=bf16`` runs the target online: a run at that precision then trains
+                from the cache as it would online; about 1.7x faster on a CPU with AVX512-BF16).
     shard_size: bytes per shard file (a shard holds whole conversations, at least one).
     batch_size: conversations per target forward (within a shard, longest first, to pad little).
     on_shard:   called with k after shard k is in place (tests use it to simulate a kill).
@@ -105,6 +113,8 @@ def write_cache(
         raise FeatureCacheError("no layer ids to capture (pass --layers or --drafter)")
     target.check_layer_ids(layer_ids)
     sdt = storage_dtype(dtype)
+    if precision not in PRECISIONS:
+        raise FeatureCacheError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
     tok = target.tokenizer
     examples = [D.tokenize_conversation(c, tok, max_length) for c in convs]
     if not examples:
@@ -116,7 +126,7 @@ def write_cache(
         "target": target_identity(target),
         "tokenizer_sha256": tokenizer_sha256(tok), "chat_template_sha256": chat_template_sha256(tok),
         "layer_ids": layer_ids, "hidden": "final-normed last hidden state (what the lm_head reads)",
-        "dtype": dtype, "max_length": max_length,
+        "dtype": dtype, "precision": precision, "max_length": max_length,
         "source": {"path": str(source), "conversations": len(convs), "sha256": conversations_sha256(convs)},
         "shard_size": shard_size, "bytes_per_token": bpt,
         "conversations": len(examples), "tokens": sum(len(e) for e in examples),
@@ -148,7 +158,7 @@ def write_cache(
     t0 = time.perf_counter()
     for k in todo:
         a, b = plan[k]
-        tensors, rows = _compute_shard(target, examples[a:b], a, layer_ids, sdt, batch_size, pad_id, bar)
+        tensors, rows = _compute_shard(target, examples[a:b], a, layer_ids, sdt, precision, batch_size, pad_id, bar)
         _write_shard(out, k, tensors, rows, {"layer_ids": layer_ids, "dtype": dtype})
         if on_shard is not None:
             on_shard(k)
@@ -228,7 +238,7 @@ def _resume_state(out: Path, manifest: dict) -> dict | None:
         return None
     old = read_manifest(out)
     for key in SETTINGS:
-        if _setting(old.get(key)) != _setting(manifest[key]):
+        if _setting(old.get(key, _SETTING_DEFAULTS.get(key))) != _setting(manifest[key]):
             raise FeatureCacheError(f"{out} holds a cache written with other settings ({key} differs); "
                                     "choose another --out, or delete it to rebuild")
     if not old.get("complete"):
@@ -256,9 +266,11 @@ def _setting(value) -> str:
 
 
 @torch.no_grad()
-def _compute_shard(target, examples, first_row: int, layer_ids, sdt, batch_size: int, pad_id: int, bar):
+def _compute_shard(target, examples, first_row: int, layer_ids, sdt, precision: str, batch_size: int, pad_id: int,
+                   bar):
     """The shard's tensors (conversations in data order) and its index rows."""
     from vatspec import data as D
+    from vatspec.train import precision_context
 
     lengths = [len(e) for e in examples]
     offsets = [0]
@@ -271,7 +283,8 @@ def _compute_shard(target, examples, first_row: int, layer_ids, sdt, batch_size:
     for s in range(0, len(order), batch_size):
         idx = order[s : s + batch_size]
         batch = D.collate([examples[j] for j in idx], pad_id).to(target.device)
-        tout = target(batch.input_ids, batch.attention_mask, layer_ids, logits=False)
+        with precision_context(target.device, precision):
+            tout = target(batch.input_ids, batch.attention_mask, layer_ids, logits=False)
         f = tout.features.to("cpu", torch.float32)  # [B, T, n*H]
         h = tout.hidden.to("cpu", torch.float32)  # [B, T, H]
         for b, j in enumerate(idx):

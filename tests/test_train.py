@@ -309,7 +309,7 @@ def test_ddp_two_cpu_processes_hold_identical_weights(tiny_target_dir, data_file
     script = tmp_path / "ddp.py"
     # every rank saves its live parameters after training; DDP must have kept them identical
     script.write_text(
-        "import sys, torch, torch.distributed as dist\n"
+        "import os, sys, torch, torch.distributed as dist\n"
         "from vatspec.config import load_config\n"
         "import vatspec.train as T\n"
         "cfg = load_config(None, sys.argv[2:])\n"
@@ -322,9 +322,10 @@ def test_ddp_two_cpu_processes_hold_identical_weights(tiny_target_dir, data_file
         "    return arm\n"
         "T._build_arm = spy\n"
         "T.train(cfg, progress=False)\n"
+        "assert not dist.is_initialized()  # train destroys the group it started\n"
         "m = captured['arm'].module\n"
         "flat = torch.cat([p.detach().flatten() for p in m.parameters()])\n"
-        "torch.save(flat, sys.argv[1] + f'.{dist.get_rank()}')\n"
+        "torch.save(flat, sys.argv[1] + f'.{os.environ[\"RANK\"]}')\n"
     )
     out = tmp_path / "w"
     args = [f"target.path={tiny_target_dir}", f"data.train={data_file}", f"train.out_dir={tmp_path / 'ddp'}",

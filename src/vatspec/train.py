@@ -218,7 +218,9 @@ class Arm:
 
 
 # ----------------------------------------------------------------------------- distributed
-def _dist_setup(device_pref: str) -> tuple[int, int, torch.device]:
+def _dist_setup(device_pref: str) -> tuple[int, int, torch.device, bool]:
+    """``(rank, world, device, owned)``: ``owned`` when this call started the process group (under torchrun
+    without one), which ``train_arms`` then destroys before it returns."""
     from vatspec.target import resolve_device
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -226,14 +228,15 @@ def _dist_setup(device_pref: str) -> tuple[int, int, torch.device]:
         device = resolve_device(device_pref, "target.device")
     except ValueError as e:
         raise TrainError(str(e)) from None
-    if world > 1 and not dist.is_initialized():
+    owned = world > 1 and not dist.is_initialized()
+    if owned:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     rank = dist.get_rank() if dist.is_initialized() else 0
     if device.type == "cuda" and device.index is None:  # one GPU per rank
         local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
-        return rank, world, torch.device("cuda", local)
-    return rank, world, device
+        return rank, world, torch.device("cuda", local), owned
+    return rank, world, device, owned
 
 
 def _all_reduce_mean(values: dict, world: int) -> dict:
@@ -322,7 +325,7 @@ def train_arms(cfgs: list[Config], *, resume: bool = False, init_from: str | Non
     if len(set(dirs)) != len(dirs):
         raise TrainError(f"arms need distinct train.out_dir, got {[str(d) for d in dirs]}")
 
-    rank, world, device = _dist_setup(base.target.device)
+    rank, world, device, owned_group = _dist_setup(base.target.device)
     is_main = rank == 0
     # 0. refuse to clobber: a run folder with checkpoints needs --resume (or a new out_dir); a folder
     # vatspec train did not make is never written into; no input lies in, or holds, a run folder
@@ -418,6 +421,7 @@ def train_arms(cfgs: list[Config], *, resume: bool = False, init_from: str | Non
         raise TrainError(f"arms' latest checkpoints are at different steps {steps}: cannot resume in lockstep")
     if states[0] is not None:
         if steps[0] >= total:  # a finished run: nothing to do, nothing written
+            _release_group(owned_group)
             return [{k.removeprefix("eval/"): v for k, v in s.get("metrics", {}).items() if k.startswith("eval/")}
                     for s in states]
         for arm, state in zip(arms, states):
@@ -518,7 +522,16 @@ def train_arms(cfgs: list[Config], *, resume: bool = False, init_from: str | Non
         t_last = time.perf_counter()
     for bar in bars:
         bar.close()
+    _release_group(owned_group)
     return finals
+
+
+def _release_group(owned: bool) -> None:
+    """Destroy the process group ``_dist_setup`` started (``owned``), after every rank got here: one left
+    to the interpreter's exit can abort it there (gloo: "terminate called without an active exception")."""
+    if owned:
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def heldout_split(items: list, data_cfg, seed: int) -> tuple[list, list]:

@@ -151,7 +151,7 @@ def _write(args: argparse.Namespace) -> int:
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
-    device = args.device
+    device, owned_group = args.device, False
     if args.part is not None:
         if world > 1:
             raise ValueError("--part splits the work between independent processes; under torchrun the ranks "
@@ -160,6 +160,7 @@ def _write(args: argparse.Namespace) -> int:
     elif world > 1:
         if not dist.is_initialized():
             dist.init_process_group("gloo")  # a barrier is all the ranks share
+            owned_group = True
         if device is None and torch.cuda.is_available():
             device = f"cuda:{local}"
     convs = load_conversations(args.data, skip_bad=args.skip_bad)
@@ -181,6 +182,8 @@ def _write(args: argparse.Namespace) -> int:
         return 0
     if world > 1:
         dist.barrier()
+        if owned_group:  # not left to the interpreter's exit, where gloo can abort
+            dist.destroy_process_group()
         if rank != 0:
             return 0
         man = finalize_cache(args.out)

@@ -64,8 +64,7 @@ def main() -> int:
     change: dict[str, list[float]] = {}
     for shard in sorted((args.out / "fp32").glob("shard-*.safetensors")):
         a, b = load_file(shard), load_file(args.out / "bf16" / shard.name)
-        with torch.no_grad():
-            la, lb = (target.logits(t["hidden"]).argmax(-1) for t in (a, b))
+        la, lb = (_labels(target, t["hidden"]) for t in (a, b))
         agree, tokens = agree + int((la == lb).sum()), tokens + la.numel()
         for key in a:
             if a[key].is_floating_point():
@@ -98,6 +97,13 @@ def main() -> int:
         (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
     return 0
+
+
+@torch.no_grad()
+def _labels(target, hidden: torch.Tensor, rows: int = 4096) -> torch.Tensor:
+    """The target's argmax label at each row of ``hidden``, ``rows`` at a time (a shard's whole [N, V] logits
+    would be ~8 GB for the demo's cache)."""
+    return torch.cat([target.logits(h).argmax(-1) for h in hidden.split(rows)])
 
 
 def _run_names(folder: Path) -> list[str]:

@@ -97,7 +97,7 @@ def write_cache(
     dtype:      storage dtype of the features and hidden states: bfloat16 | float16 | float32.
     precision:  the target pass's arithmetic: ``fp32`` (the target's dtype) or ``bf16`` (bfloat16 autocast,
                 as ``train.precision=bf16`` runs the target online: a run at that precision then trains
-                from the cache as it would online; about 1.7x faster on a CPU with AVX512-BF16).
+                from the cache as it would online; 1.5-1.8x faster on a CPU with AVX512-BF16).
     shard_size: bytes per shard file (a shard holds whole conversations, at least one).
     batch_size: conversations per target forward (within a shard, longest first, to pad little).
     on_shard:   called with k after shard k is in place (tests use it to simulate a kill).

@@ -111,10 +111,10 @@ SIZES = {
     "quick": DemoSize(prompts=16, regen_tokens=48, steps=8, batch_size=2, dflash_batch_size=1, max_length=128,
                       draft_vocab=2048, anchors=8, eval_every=4, eval_prompts=1, eval_tokens=24, calibration_prompts=1,
                       benches=("gsm8k", "humaneval", "mt_bench")),
-    # the long recipe (`vatspec demo --full`; budget 2 h on 2 cores from an empty cache: 76.4 min on an AMX Xeon
-    # (run 9), about 2 h 25 min projected on a slow EPYC day of 1.5x slower AR steps; docs/results.md):
-    # 5 seeds, since 3 left every VAT interval across seeds wide (t(2) = 4.30 against t(4) = 2.78)
-    "full": DemoSize(prompts=512, steps=400, anchors=32, eval_every=80, eval_prompts=3, eval_tokens=64, seeds=5),
+    # the long recipe (`vatspec demo --full`; budget 2 h on 2 cores from an empty cache). 4 seeds: 3 left every VAT
+    # interval across seeds wide (t(2) / sqrt(3) = 2.48 against t(3) / 2 = 1.59 for 4), and 5 took 123.8 min on the
+    # AMD EPYC (run 11; 76.4 on an AMX Xeon), where each seed trains in 17-22 min; 4 seeds: 91.1 min there (run 12)
+    "full": DemoSize(prompts=512, steps=400, anchors=32, eval_every=80, eval_prompts=3, eval_tokens=64, seeds=4),
 }
 
 ARMS = {  # report name -> (drafter kind, loss kind)

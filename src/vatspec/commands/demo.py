@@ -21,7 +21,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="the ~3-minute smoke size (CI runs it)")
     size.add_argument("--full", action="store_true",
-                      help="the long recipe: 512 conversations, 400 steps of 4 sequences, 5 seeds per arm "
+                      help="the long recipe: 512 conversations, 400 steps of 4 sequences, 4 seeds per arm "
                            "(<= 2 h on 2 cores)")
     parser.add_argument("--out", default="reports/demo", help="report folder (default: reports/demo)")
     parser.add_argument("--steps", type=int_arg(1),

@@ -18,11 +18,11 @@ from vatspec.demo import SIZES, DemoError, DemoSize, redecode_demo, run_demo
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    size = parser.add_mutually_exclusive_group()
+    size, full = parser.add_mutually_exclusive_group(), SIZES["full"]
     size.add_argument("--quick", action="store_true", help="the ~3-minute smoke size (CI runs it)")
     size.add_argument("--full", action="store_true",
-                      help="the long recipe: 512 conversations, 400 steps of 4 sequences, 4 seeds per arm "
-                           "(<= 2 h on 2 cores)")
+                      help=f"the long recipe: {full.prompts} conversations, {full.steps} steps of {full.batch_size} "
+                           f"sequences, {full.seeds} seeds per arm (<= 2 h on 2 cores)")
     parser.add_argument("--out", default="reports/demo", help="report folder (default: reports/demo)")
     parser.add_argument("--steps", type=int_arg(1),
                         help="override the number of training steps (at a batch of 4; a drafter kind trained at "

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import random
 import sysconfig
 from pathlib import Path
 
@@ -34,8 +33,6 @@ from vatspec import data as D
 from vatspec.benchmarks import (
     HUMANEVAL_INSTRUCTION,
     alpaca_train_prompts,
-    benchmark_prompts,
-    overlaps_benchmark,
     pick_prompts,
     prepare_prompts,
     prompt_key,
@@ -49,7 +46,7 @@ SKIP = ("test", "idlelib", "lib2to3", "site-packages", "dist-packages", "turtled
 
 
 def stdlib_functions() -> list[tuple[str, str]]:
-    """(id, source up to the end of its docstring) of every eligible function, in a seeded order."""
+    """(id, source up to the end of its docstring) of every eligible function, in path order."""
     root = Path(sysconfig.get_paths()["stdlib"])
     out = []
     for path in sorted(root.rglob("*.py")):
@@ -68,19 +65,15 @@ def stdlib_functions() -> list[tuple[str, str]]:
             doc = ast.get_docstring(node, clean=False)
             if doc and 60 <= len(doc) <= 700 and len(node.body) >= 2:
                 out.append((f"{rel}:{node.name}", "\n".join(lines[node.lineno - 1: node.body[0].end_lineno]) + "\n"))
-    random.Random(0).shuffle(out)
     return out
 
 
 def code_prompts(n: int) -> list[Conversation]:
-    bench = benchmark_prompts()
-    long_bench = [b for b in bench if len(b) >= 40]
-    convs = (Conversation(f"stdlib/{i}", [{"role": "user", "content": HUMANEVAL_INSTRUCTION.format(prompt=src)}],
-                          {"source": "stdlib"}) for i, src in stdlib_functions())
-    out = [c for c in convs if not overlaps_benchmark(c, bench, long_bench)][:n]
-    if len(out) < n:
-        raise SystemExit(f"only {len(out)} code prompts in this Python's standard library (asked for {n})")
-    return out
+    """``n`` of them in the HumanEval wrapping, drawn as training prompts are (``pick_prompts``, seed 0: seeded
+    order, repeats and benchmark overlaps skipped)."""
+    corpus = [Conversation(f"stdlib/{i}", [{"role": "user", "content": HUMANEVAL_INSTRUCTION.format(prompt=src)}],
+                           {"source": "stdlib"}) for i, src in stdlib_functions()]
+    return pick_prompts(corpus, n, seed=0, max_chars=None)
 
 
 def main() -> None:

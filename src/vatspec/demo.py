@@ -112,8 +112,8 @@ SIZES = {
                       draft_vocab=2048, anchors=8, eval_every=4, eval_prompts=1, eval_tokens=24, calibration_prompts=1,
                       benches=("gsm8k", "humaneval", "mt_bench")),
     # the long recipe (`vatspec demo --full`; budget 2 h on 2 cores from an empty cache). 4 seeds: 3 left every VAT
-    # interval across seeds wide (t(2) / sqrt(3) = 2.48 against t(3) / 2 = 1.59 for 4), and 5 took 123.8 min on the
-    # AMD EPYC (run 11; 76.4 on an AMX Xeon), where each seed trains in 17-22 min; 4 seeds: 91.1 min there (run 12)
+    # interval across seeds wide (t(2) / sqrt(3) = 2.48 against t(3) / 2 = 1.59 for 4); 5 took 123.8 min on the AMD
+    # EPYC (run 11; 76.4 on an AMX Xeon), where each seed trains in 17-22 min, and 4 took 91.1 min there (run 12)
     "full": DemoSize(prompts=512, steps=400, anchors=32, eval_every=80, eval_prompts=3, eval_tokens=64, seeds=4),
 }
 

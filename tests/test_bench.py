@@ -162,12 +162,16 @@ def test_sampling_evaluation_runs(tiny):
 
 
 class ChatTokenizer:
-    """Records what it renders; returns a BatchEncoding-like mapping as transformers 5 does."""
+    """Records what it renders (one character a message) and the template arguments; one token a character."""
 
-    def apply_chat_template(self, messages, add_generation_prompt, tokenize):
-        assert add_generation_prompt and tokenize
-        self.seen = messages
-        return {"input_ids": [7] * len(messages)}
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize, chat_template=None, **kwargs):
+        assert add_generation_prompt and not tokenize
+        self.seen, self.kwargs = messages, kwargs
+        return "m" * len(messages)
+
+    def __call__(self, text, add_special_tokens):
+        assert not add_special_tokens  # the template writes its own special tokens
+        return {"input_ids": [7] * len(text)}
 
 
 def test_prompt_ids():
@@ -178,6 +182,10 @@ def test_prompt_ids():
     obj = type("Conv", (), {"messages": conv + [{"role": "user", "content": "more"}]})()
     assert prompt_ids(tok, obj) == [7, 7, 7]
     assert prompt_ids(tok, {"messages": conv[:1]}) == [7]
+    from vatspec.data import ChatTemplate
+
+    assert prompt_ids(tok, conv, ChatTemplate(kwargs={"enable_thinking": False})) == [7]
+    assert tok.kwargs == {"enable_thinking": False}  # the template arguments reach the rendering
 
 
 def test_eval_command(tiny, tmp_path, monkeypatch):
@@ -193,7 +201,8 @@ def test_eval_command(tiny, tmp_path, monkeypatch):
     user.write_text("")
     monkeypatch.setattr(data, "load_conversations", lambda path, **kw: [[BOS, 12]])
     out = tmp_path / "eval"
-    rc = cli.main(["eval", "--draft", f"vat={tmp_path}/ckpt", "--bench", "gsm8k", "--prompts", str(user),
+    rc = cli.main(["eval", "--target", "default",
+                   "--draft", f"vat={tmp_path}/ckpt", "--bench", "gsm8k", "--prompts", str(user),
                    "--max-new-tokens", "5", "--k", "2", "--warmup", "0", "--out", str(out), "--no-plots"])
     assert rc == 0
     res = json.loads((out / "results.json").read_text())
@@ -230,7 +239,8 @@ def test_eval_command_k_auto_calibrates_each_method(tiny, tmp_path, monkeypatch,
     monkeypatch.setattr(eval_command, "open_draft", lambda path, t: (OracleDrafter(t, [2]), None))
     monkeypatch.setattr(benchmarks, "load_benchmark", lambda name: [[BOS, 3, 4]])
     monkeypatch.setattr(data, "load_conversations", lambda path, **kw: [[BOS, 12], [BOS, 30, 31]])
-    args = ["eval", "--draft", f"vat={tmp_path}/ckpt", "--bench", "gsm8k", "--max-new-tokens", "9", "--warmup", "0",
+    args = ["eval", "--target", "default", "--draft", f"vat={tmp_path}/ckpt", "--bench", "gsm8k",
+            "--max-new-tokens", "9", "--warmup", "0",
             "--no-plots", "--no-hf", "--k", "auto"]
     assert cli.main([*args, "--out", str(tmp_path / "x")]) == 2
     assert "--k auto needs --calibration" in capsys.readouterr().err

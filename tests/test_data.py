@@ -203,8 +203,9 @@ def test_loss_mask_matches_chatml_by_hand(tok):
             add("\n", False)
         else:
             add(f"{m['content']}<|im_end|>\n", False)
+    ref_ids.pop(), ref_mask.pop()  # the sequence ends at the last end-of-turn token, as the target produced it
     ex = tokenize_conversation(MULTI, tok)
-    assert ex.input_ids == tok.apply_chat_template(MULTI.messages, tokenize=True)["input_ids"]
+    assert ex.input_ids == tok.apply_chat_template(MULTI.messages, tokenize=True)["input_ids"][:-1]
     assert ex.input_ids == ref_ids
     assert ex.loss_mask == ref_mask
 

@@ -39,11 +39,12 @@ DISPLAY = {AR: "AR (same loop, no draft)", HF: "HF generate() greedy"}
 
 
 # --------------------------------------------------------------------------- prompts
-def prompt_ids(tokenizer, item) -> list[int]:
+def prompt_ids(tokenizer, item, template=None) -> list[int]:
     """One prompt -> token ids. ``item``: token ids (list / 1-D tensor), or a conversation (an
     object with ``.messages``, a dict with ``"messages"``, or a list of ``{role, content}``).
     A conversation is cut after its last user turn and rendered with the chat template
-    (``add_generation_prompt=True``)."""
+    (``add_generation_prompt=True``) and ``template``'s arguments (a ``vatspec.data.ChatTemplate``; None:
+    the tokenizer's own template, no arguments), as the serving engine renders it."""
     if isinstance(item, torch.Tensor):
         return item.flatten().tolist()
     if isinstance(item, Sequence) and not isinstance(item, str) and all(isinstance(t, int) for t in item):
@@ -58,10 +59,10 @@ def prompt_ids(tokenizer, item) -> list[int]:
     messages = list(messages)
     while messages and messages[-1]["role"] == "assistant":  # the model answers the last user turn
         messages.pop()
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if isinstance(ids, Mapping) or hasattr(ids, "keys"):  # transformers >= 5 returns a BatchEncoding
-        ids = ids["input_ids"]
-    return list(ids)
+    from vatspec.data.chat import ChatTemplate
+
+    text = (template or ChatTemplate()).render(tokenizer, messages, generation_prompt=True)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 # --------------------------------------------------------------------------- measurement
@@ -153,7 +154,10 @@ def evaluate(
             raise ValueError(f"method name {reserved!r} is reserved for a baseline; rename it")
     device = target.device
     names = [AR, *methods] + ([HF] if hf_baseline else [])
-    ids_by_bench = {b: [prompt_ids(target.tokenizer, p) for p in ps] for b, ps in prompts_by_bench.items()}
+    from vatspec.data.chat import target_template
+
+    chat = target_template(target)
+    ids_by_bench = {b: [prompt_ids(target.tokenizer, p, chat) for p in ps] for b, ps in prompts_by_bench.items()}
     ids_by_bench = {b: ps for b, ps in ids_by_bench.items() if ps}
     if not ids_by_bench:
         raise ValueError("evaluate: no prompts")

@@ -126,6 +126,13 @@ def convention_findings(folder: Path, target) -> tuple[str | None, list[Finding]
                 out.append(Finding(same, what, f"the target's {what} is the one trained with" if same else
                                    f"the target's {what} differs from the one the draft was trained with "
                                    "(vatspec.json)"))
+        if "chat_template_kwargs" in have:  # how the engine is told to render (chat_template_kwargs)
+            from vatspec.data.chat import format_kwargs
+
+            a, b = format_kwargs(have["chat_template_kwargs"] or {}), format_kwargs(want["chat_template_kwargs"])
+            out.append(Finding(a == b, "template args", f"{b}, as trained" if a == b else
+                               f"served with {b} but trained with {a} (vatspec.json): pass "
+                               f"--chat-template-kwargs as the engine renders"))
     return fmt, out
 
 

@@ -72,3 +72,24 @@ def dtype_arg(value: str) -> str:
         return dtype_name(value)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_template_args(parser: argparse.ArgumentParser) -> None:
+    """``--chat-template FILE`` and ``--chat-template-kwargs key=value,...``: how a command renders conversations
+    (as the serving engine renders them); the same values as training's ``data.chat_template*``."""
+    parser.add_argument("--chat-template", default="", metavar="FILE",
+                        help="a Jinja chat template file (default: the target tokenizer's own)")
+    parser.add_argument("--chat-template-kwargs", default="", metavar="KEY=VALUE,...",
+                        help="template arguments, as the engine's chat_template_kwargs (e.g. enable_thinking=false)")
+
+
+def use_template(target, args: argparse.Namespace):
+    """The template settings of ``args``, checked against ``target``'s tokenizer and installed on ``target``
+    (every rendering of the command then uses them); a ``DataError`` names what is wrong."""
+    from vatspec.data.chat import attach_template, format_kwargs
+
+    template = attach_template(target, args.chat_template, args.chat_template_kwargs)
+    dtype = str(getattr(target, "dtype", "")).removeprefix("torch.")
+    print(f"target {getattr(target, 'path', None)} on {getattr(target, 'device', '?')}, {dtype}; chat template "
+          f"{args.chat_template or 'of the tokenizer'}, arguments {format_kwargs(template.kwargs)}", file=sys.stderr)
+    return template

@@ -13,8 +13,9 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import sys
 
-from vatspec.commands import DTYPE_METAVAR, dtype_arg, int_arg, report
+from vatspec.commands import DTYPE_METAVAR, add_template_args, dtype_arg, int_arg, report, use_template
 from vatspec.features.format import PRECISIONS
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
@@ -61,18 +62,19 @@ def configure(parser: argparse.ArgumentParser) -> None:
                                                 "or the cache folder with --validate")
     parser.add_argument("--out", help="cache folder (created; a partial one is resumed)")
     parser.add_argument("--validate", metavar="DIR", help="re-read and check the cache in DIR instead of writing")
-    parser.add_argument("--target", default=None, help="local HF model folder, or 'default' (SmolLM2-135M); "
-                        "with --validate: default the manifest's target path")
+    parser.add_argument("--target", default=None, help="local HF model folder, or 'default' (SmolLM2-135M): "
+                        "required; with --validate: default the manifest's target path")
+    add_template_args(parser)
     parser.add_argument("--layers", type=layers_arg, nargs="+", help="layer ids to store (output of layer i)")
     parser.add_argument("--drafter", type=drafter_arg, action="append",
                         help="store this drafter's default layers: eagle3, dflash or dflash:N (repeatable: the "
                              "union); default with no --layers: eagle3 and dflash")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                         help="storage dtype of the features (default bfloat16)")
-    parser.add_argument("--precision", default="fp32", choices=PRECISIONS,
+    parser.add_argument("--precision", default="auto", choices=("auto", *PRECISIONS),
                         help="the target pass's arithmetic: fp32 (the target's dtype) or bf16 (bfloat16 autocast, as "
                              "train.precision=bf16 runs the target online); it should be train.precision of the "
-                             "training run (default fp32)")
+                             "training run (default auto, as train.precision: bf16 on a GPU, fp32 elsewhere)")
     parser.add_argument("--shard-size", type=size_arg, default=2**30, help="bytes per shard (default 1GiB)")
     parser.add_argument("--max-length", type=int_arg(2), default=2048,
                         help="tokens per conversation (data.max_length)")
@@ -144,7 +146,7 @@ def _write(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    from vatspec.data import load_conversations
+    from vatspec.data import check_data_template, load_conversations, split_turns
     from vatspec.features import drafter_layer_ids, finalize_cache, write_cache
     from vatspec.features.format import manifest_precision
     from vatspec.target import open_target
@@ -163,15 +165,24 @@ def _write(args: argparse.Namespace) -> int:
             owned_group = True
         if device is None and torch.cuda.is_available():
             device = f"cuda:{local}"
+    if not args.target:
+        raise ValueError("--target is required: a local HF model folder, or 'default' (the embedded SmolLM2-135M)")
     convs = load_conversations(args.data, skip_bad=args.skip_bad)
-    target = open_target(args.target or "default", device=device or "auto", dtype=args.target_dtype,
+    target = open_target(args.target, device=device or "auto", dtype=args.target_dtype,
                          device_map=args.device_map)
+    template = use_template(target, args)
+    check_data_template(convs, template.settings(target.tokenizer), args.data)
+    convs = split_turns(convs, target.tokenizer, template)  # as training splits them: the same rows
     if args.layers:
         layer_ids = [i for group in args.layers for i in group]
     else:
         layer_ids = [i for kind, n in (args.drafter or [("eagle3", 1), ("dflash", 1)])
                      for i in drafter_layer_ids(kind, target.num_layers, n)]
-    man = write_cache(target, convs, args.out, layer_ids=layer_ids, dtype=args.dtype, precision=args.precision,
+    precision = args.precision if args.precision != "auto" else ("bf16" if target.device.type == "cuda" else "fp32")
+    if rank == 0:
+        print(f"cache-features: the target pass in {precision}" + (" (auto)" if args.precision == "auto" else ""),
+              file=sys.stderr)
+    man = write_cache(target, convs, args.out, layer_ids=layer_ids, dtype=args.dtype, precision=precision,
                       shard_size=args.shard_size,
                       max_length=args.max_length, batch_size=args.batch_size, source=args.data, rank=rank,
                       world=world, progress=not args.no_progress)

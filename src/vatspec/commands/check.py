@@ -17,15 +17,17 @@ import torch
 from vatspec import benchmarks, data
 from vatspec.bench import prompt_ids
 from vatspec.check import check_draft
-from vatspec.commands import report
+from vatspec.commands import DTYPE_METAVAR, add_template_args, dtype_arg, report, use_template
 from vatspec.data import DataError
+from vatspec.data.chat import format_kwargs
 from vatspec.outputs import OutputError, check_apart, check_file
 from vatspec.target import TargetError, open_target
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("folder", help="a served draft folder (config.json + *.safetensors)")
-    parser.add_argument("--target", default="default", help="'default' (embedded SmolLM2) or a local HF folder")
+    parser.add_argument("--target", required=True, help="a local HF folder, or 'default' (the embedded SmolLM2)")
+    add_template_args(parser)
     parser.add_argument("--prompts", metavar="FILE", help="held-out prompts (JSONL conversations); "
                         "default: the bundled benchmarks")
     parser.add_argument("--num-prompts", type=int, default=2, help="prompts per benchmark (or of --prompts)")
@@ -33,7 +35,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-measure", action="store_true", help="conventions only: decode nothing")
     parser.add_argument("--json", metavar="FILE", help="also write the report as JSON")
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--dtype", default=None, type=dtype_arg, metavar=DTYPE_METAVAR,
+                        help="default: bfloat16 on a GPU, float32 on a CPU")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -49,12 +52,14 @@ def run(args: argparse.Namespace) -> int:
         return report("check", e)
     try:
         target = open_target(args.target, device=args.device, dtype=args.dtype)
+        template = use_template(target, args)
         prompts = None if args.no_measure else _prompts(args, target)
     except (TargetError, DataError) as e:
         return report("check", e)
     with torch.inference_mode():
         rep = check_draft(folder, target, prompts, max_new_tokens=args.max_new_tokens)
-    print(f"vatspec check {folder} ({rep.format or 'unknown format'}) against {target.path}")
+    print(f"vatspec check {folder} ({rep.format or 'unknown format'}) against {target.path}, chat template "
+          f"arguments {format_kwargs(template.kwargs)}")
     for f in rep.findings:
         print(f"  {'ok  ' if f.ok else 'FAIL'}  {f.what:<22} {f.detail}")
     if rep.measured:
@@ -94,7 +99,7 @@ def _prompts(args: argparse.Namespace, target) -> list[list[int]]:
         convs = data.load_conversations(args.prompts, require_assistant=False)[: args.num_prompts]
     else:
         convs = [c for b in benchmarks.list_benchmarks() for c in benchmarks.load_benchmark(b)[: args.num_prompts]]
-    return [prompt_ids(target.tokenizer, c) for c in convs]
+    return [prompt_ids(target.tokenizer, c, target.chat) for c in convs]
 
 
 def _p(x: float) -> str:

@@ -16,15 +16,18 @@ from vatspec import benchmarks, data
 from vatspec.bench import evaluate, prompt_ids, write_report
 from vatspec.calibrate import calibrate
 from vatspec.checkpoint import CheckpointError
-from vatspec.commands import DTYPE_METAVAR, dtype_arg, float_arg, int_arg, report
+from vatspec.commands import DTYPE_METAVAR, add_template_args, dtype_arg, float_arg, int_arg, report, use_template
 from vatspec.data import DataError
+from vatspec.data.chat import check_settings
 from vatspec.drafts import open_draft
+from vatspec.export.record import recorded_template
 from vatspec.outputs import OutputError, check_apart, check_folder, claim_folder, mark_folder
 from vatspec.target import TargetError, open_target
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", default="default", help="'default' (embedded SmolLM2) or a local HF folder")
+    parser.add_argument("--target", required=True, help="a local HF folder, or 'default' (the embedded SmolLM2)")
+    add_template_args(parser)
     parser.add_argument("--draft", action="append", default=[], metavar="[NAME=]PATH",
                         help="a checkpoint, run folder or exported draft; repeat for several methods")
     parser.add_argument("--bench", action="append", default=[], metavar="NAME",
@@ -53,7 +56,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-plots", action="store_true")
     parser.add_argument("--out", default="runs/eval", help="output folder (new, empty, or an earlier eval's)")
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--dtype", default="float32", type=dtype_arg, metavar=DTYPE_METAVAR)
+    parser.add_argument("--dtype", default=None, type=dtype_arg, metavar=DTYPE_METAVAR,
+                        help="default: bfloat16 on a GPU, float32 on a CPU")
     parser.add_argument("--threads", type=int_arg(1), default=None, help="torch intra-op threads (CPU)")
 
 
@@ -76,12 +80,15 @@ def _run(args: argparse.Namespace) -> int:
         mark_folder(args.out, "eval")
     check_folder(args.out, "eval", "--out")
     target = open_target(args.target, device=args.device, dtype=args.dtype)
+    use_template(target, args)
     methods = {}
     for spec in args.draft:
         name, path = _parse_draft(spec)
         if name in methods:
             raise ValueError(f"--draft: method name {name!r} given twice")
         drafter, head = open_draft(path, target)
+        check_settings(recorded_template(path), target.chat.settings(target.tokenizer), f"--draft {path}",
+                       "this eval")
         methods[name] = (drafter, None if args.no_head else head)
     benches = args.bench or ([] if args.prompts else benchmarks.list_benchmarks())
     prompts = {b: benchmarks.load_benchmark(b) for b in benches}
@@ -94,7 +101,7 @@ def _run(args: argparse.Namespace) -> int:
         if not args.calibration:
             raise ValueError("--k auto needs --calibration FILE (held-out prompts)")
         convs = data.load_conversations(args.calibration, require_assistant=False)[: args.calibration_prompts]
-        ids = [prompt_ids(target.tokenizer, c) for c in convs]
+        ids = [prompt_ids(target.tokenizer, c, target.chat) for c in convs]
         calibration = {name: calibrate(target, d, ids) for name, (d, _) in methods.items()}
         k = {name: c.k for name, c in calibration.items()}
     results = evaluate(

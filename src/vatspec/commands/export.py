@@ -45,6 +45,7 @@ def run(args: argparse.Namespace) -> int:
         # never onto, into or around the draft or target being read; --force replaces only an export
         check_apart(out, {"checkpoint": args.checkpoint, "--target": target_path}, "--out")
         target = open_target(target_path, device="meta")  # config and tokenizer: no weight is read
+        _use_run_template(args.checkpoint, target)
         drafter, head = open_draft(args.checkpoint, target, device="cpu")
         if args.force and out.is_dir() and any(out.iterdir()):
             _check_is_export(out)
@@ -55,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
         out = export_draft(drafter, target, out, fmt=fmt, head=head, exit_threshold=args.exit_threshold,
                            dtype=args.dtype, force=args.force, k=args.k,
                            verifier=args.verifier, training=training, mask_token_id=args.mask_token_id)
-    except (CheckpointError, TargetError, OutputError, ValueError) as e:
+    except (CheckpointError, TargetError, OutputError, ValueError) as e:  # DataError is a ValueError
         return report("export", e)
     ids = list(drafter.target_layer_ids)
     print(f"wrote a validated {fmt} draft to {out} (target {target_path})")
@@ -64,6 +65,21 @@ def run(args: argparse.Namespace) -> int:
         print(f"  accept head: {out / HEAD_DIR} (threshold {args.exit_threshold}); not part of the served weights")
     print("  launch commands: docs/serving.md")
     return 0
+
+
+def _use_run_template(path: str, target) -> None:
+    """A training run's template settings (``data.chat_template*`` of its config) on ``target``, so that
+    ``vatspec.json`` records the template and arguments the draft was trained with."""
+    from vatspec.data.chat import attach_template, check_settings
+    from vatspec.export.record import recorded_template
+
+    try:
+        data = saved_config(path).data
+    except CheckpointError:
+        return  # a served draft: nothing recorded of its training
+    template = attach_template(target, data.chat_template, data.chat_template_kwargs)
+    # the template file read now must be the one trained with
+    check_settings(recorded_template(path), template.settings(target.tokenizer), f"checkpoint {path}", "export")
 
 
 def _saved_target_path(path: str) -> str:

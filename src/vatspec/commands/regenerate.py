@@ -10,7 +10,7 @@ import argparse
 import logging
 from pathlib import Path
 
-from vatspec.commands import DTYPE_METAVAR, dtype_arg, float_arg, int_arg, report
+from vatspec.commands import DTYPE_METAVAR, add_template_args, dtype_arg, float_arg, int_arg, report, use_template
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -18,7 +18,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
                                       "or bench:NAME for a bundled benchmark")
     parser.add_argument("--out", required=True, help="output JSONL; resumed if it is an earlier regenerate output "
                                                      "(any other existing file is refused, never changed)")
-    parser.add_argument("--target", default="default", help="local HF model folder, or 'default' (SmolLM2-135M)")
+    parser.add_argument("--target", required=True, help="local HF model folder, or 'default' (SmolLM2-135M)")
+    add_template_args(parser)
+    parser.add_argument("--reasoning", choices=("keep", "drop"), default="keep",
+                        help="a reasoning target's thinking (<think>...</think>): keep it in the answers (trained "
+                             "as served in thinking mode), or drop it from them; with enable_thinking=false there "
+                             "is none")
     parser.add_argument("--batch-size", type=int_arg(1), default=8, help="conversations a batch (at most)")
     parser.add_argument("--batch-tokens", type=int_arg(1), default=None,
                         help="also at most this many prompt tokens a batch (rows x its longest first prompt): "
@@ -68,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
         if args.limit is not None:
             convs = convs[: args.limit]
         target = open_target(args.target, device=args.device or "auto", dtype=args.dtype)
+        template = use_template(target, args)
     except (DataError, OutputError, TargetError) as e:
         return report("regenerate", e)
     stats = regenerate(
@@ -82,11 +88,14 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         max_prompt_tokens=args.max_prompt_tokens,
         max_length=args.max_length,
+        template=template,
+        reasoning=args.reasoning,
     )
     print(
         f"wrote {stats.conversations} conversations ({stats.turns} turns, {stats.new_tokens} tokens, "
         f"{stats.tokens_per_s:.1f} tok/s) to {args.out}; {stats.skipped_done} already done, "
-        f"{stats.too_long} too long, {stats.truncated_turns} turns hit --max-new-tokens; {read['bad']} bad input "
-        "records skipped"
+        f"{stats.too_long} too long, {stats.truncated_turns} turns hit --max-new-tokens"
+        + (f", {stats.reasoning_dropped} reasoning blocks dropped" if args.reasoning == "drop" else "")
+        + f"; {read['bad']} bad input records skipped"
     )
     return 0

@@ -10,7 +10,17 @@ other way round).
 """
 
 from vatspec.data.batching import Batch, BatchIterator, collate, split_heldout, token_counts
-from vatspec.data.chat import Example, tokenize_conversation
+from vatspec.data.chat import (
+    ChatTemplate,
+    Example,
+    attach_template,
+    check_data_template,
+    check_settings,
+    load_template,
+    split_turns,
+    target_template,
+    tokenize_conversation,
+)
 from vatspec.data.records import ROLES, Conversation, DataError, iter_json_array, load_conversations, parse_record
 from vatspec.data.regen import RegenStats, regenerate
 
@@ -18,16 +28,23 @@ __all__ = [
     "ROLES",
     "Batch",
     "BatchIterator",
+    "ChatTemplate",
     "Conversation",
     "DataError",
     "Example",
+    "attach_template",
+    "check_data_template",
+    "check_settings",
     "RegenStats",
     "collate",
     "iter_json_array",
+    "load_template",
     "load_conversations",
     "parse_record",
     "regenerate",
     "split_heldout",
+    "split_turns",
+    "target_template",
     "token_counts",
     "tokenize_conversation",
 ]

@@ -180,7 +180,14 @@ def _parse_turn(t: object, where: str) -> dict[str, str]:
     role = _ROLE_MAP.get(str(raw).lower()) if isinstance(raw, str) else None
     if role is None:
         raise DataError(f"{where}: unknown role {raw!r}; expected one of {sorted(_ROLE_MAP)}")
-    return {"role": role, "content": _text(content, f"{where}: content")}
+    msg = {"role": role, "content": _text(content, f"{where}: content")}
+    ids = t.get("token_ids")  # the ids the target generated (regenerate writes them): trained as they are
+    if ids is not None:
+        if role != "assistant" or not isinstance(ids, list) or not all(
+                isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+            raise DataError(f"{where}: token_ids must be a list of token ids >= 0 on an assistant message")
+        msg["token_ids"] = ids
+    return msg
 
 
 def _text(x: object, where: str) -> str:

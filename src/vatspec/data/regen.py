@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from vatspec.data.chat import require_template
+from vatspec.data.chat import ChatTemplate, require_template
 from vatspec.data.records import Conversation, DataError
 from vatspec.outputs import own_jsonl
 
@@ -28,6 +28,7 @@ class RegenStats:
     turns: int = 0  # assistant turns generated
     new_tokens: int = 0  # generated tokens, end-of-turn token included
     truncated_turns: int = 0  # stopped at max_new_tokens without an end-of-turn token
+    reasoning_dropped: int = 0  # answers whose reasoning block was cut (reasoning="drop")
     seconds: float = 0.0
 
     @property
@@ -48,6 +49,8 @@ def regenerate(
     seed: int = 0,
     max_prompt_tokens: int = 2048,
     max_length: int | None = None,
+    template: ChatTemplate | None = None,
+    reasoning: str = "keep",
     progress: bool = True,
 ) -> RegenStats:
     """Replace each assistant turn by the target's own response; append records to ``out_path``.
@@ -66,6 +69,13 @@ def regenerate(
     there finish as ``"length"``. A later user turn whose prompt already holds ``max_length``
     tokens ends the conversation (nothing after it fits the training window).
 
+    ``template``: the chat template and its arguments (``enable_thinking=False``) every prompt is
+    rendered with, as the serving engine would; recorded in each record's ``meta["chat_template"]``,
+    and each answer keeps the ids the target generated (``token_ids``: training uses them as they are).
+    ``reasoning``: ``keep`` stores an answer as generated, its reasoning block included (the target
+    served in thinking mode writes it, so the draft learns it); ``drop`` cuts the text up to the
+    end of the reasoning (``</think>``) from the stored answer, and the next turn's history.
+
     Resumable: each finished conversation is appended as one JSON line (flush + fsync); a
     restart skips ids already in the file, after cutting off a partial last line. An existing
     ``out_path`` that is not this function's output (``is_regenerated``) is an ``OutputError``
@@ -78,7 +88,11 @@ def regenerate(
     from tqdm.auto import tqdm
 
     tok = target.tokenizer
-    require_template(tok)
+    template = template or ChatTemplate()
+    require_template(tok, template)
+    if reasoning not in ("keep", "drop"):
+        raise DataError(f"reasoning must be keep or drop, got {reasoning!r}")
+    settings = template.settings(tok)
     ids = [c.id for c in convs]
     if len(set(ids)) != len(ids):
         dup = next(i for i in ids if ids.count(i) > 1)
@@ -94,14 +108,15 @@ def regenerate(
     t0 = time.perf_counter()
     bar = tqdm(total=len(todo), unit="conv", desc="regenerate", disable=not progress)
     with open(out_path, "a", encoding="utf-8") as f:
-        for chunk in _batches(todo, tok, batch_size, batch_tokens):
+        for chunk in _batches(todo, tok, batch_size, batch_tokens, template):
             gen = torch.Generator(target.device).manual_seed(zlib.crc32(f"{seed}:{chunk[0].id}".encode()))
             for conv, finishes in _regenerate_batch(chunk, target, eos, pad_id, max_new_tokens, temperature, top_p,
-                                                    max_prompt_tokens, max_length, stats, gen):
+                                                    max_prompt_tokens, max_length, stats, gen, template,
+                                                    reasoning):
                 if not finishes:
                     stats.too_long += 1
                     continue
-                meta = dict(conv.meta, finish=finishes)
+                meta = dict(conv.meta, finish=finishes, chat_template=settings)
                 rec = Conversation(conv.id, conv.messages, meta).to_json()
                 f.write(json.dumps(rec, ensure_ascii=False) + "\n")
                 f.flush()
@@ -120,13 +135,14 @@ def longest_first(convs: Sequence[Conversation]) -> list[Conversation]:
     return sorted(convs, key=lambda c: -sum(len(m["content"]) for m in c.messages if m["role"] != "assistant"))
 
 
-def _batches(convs: list[Conversation], tok, batch_size: int, batch_tokens: int | None):
+def _batches(convs: list[Conversation], tok, batch_size: int, batch_tokens: int | None,
+             template: ChatTemplate | None = None):
     """``convs`` (longest first) in consecutive batches of at most ``batch_size`` rows and, with
     ``batch_tokens``, at most that many first-prompt tokens counted as rows x the longest (one row at least)."""
     batch: list[Conversation] = []
     widest = 0
     for c in convs:
-        n = _first_prompt_len(c, tok) if batch_tokens else 0
+        n = _first_prompt_len(c, tok, template) if batch_tokens else 0
         if batch and (len(batch) == batch_size or (batch_tokens and (len(batch) + 1) * max(widest, n) > batch_tokens)):
             yield batch
             batch, widest = [], 0
@@ -136,21 +152,22 @@ def _batches(convs: list[Conversation], tok, batch_size: int, batch_tokens: int 
         yield batch
 
 
-def _first_prompt_len(conv: Conversation, tok) -> int:
+def _first_prompt_len(conv: Conversation, tok, template: ChatTemplate | None = None) -> int:
     msgs = [m for m in conv.messages if m["role"] != "assistant"]
     first = next((i for i, m in enumerate(msgs) if m["role"] == "user"), None)
     if first is None:  # nothing to answer: regenerate writes no record for it
         return 0
-    text = tok.apply_chat_template(msgs[: first + 1], tokenize=False, add_generation_prompt=True)
+    text = (template or ChatTemplate()).render(tok, msgs[: first + 1], generation_prompt=True)
     return len(tok(text, add_special_tokens=False)["input_ids"])
 
 
+REASONING_END = "</think>"  # where a reasoning target's thinking ends (Qwen3, DeepSeek-R1)
 # tokens generated past the training length: a cut inside a word would re-tokenize the word's head
 CUT_MARGIN = 8
 
 
 def _regenerate_batch(convs, target, eos, pad_id, max_new_tokens, temperature, top_p, max_prompt_tokens, max_length,
-                      stats, generator):
+                      stats, generator, template, reasoning):
     """Run the rounds of a batch together; yields ``(conversation, finish reasons)`` per input."""
     tok = target.tokenizer
     pending = [[m for m in c.messages if m["role"] != "assistant"] for c in convs]
@@ -165,7 +182,7 @@ def _regenerate_batch(convs, target, eos, pad_id, max_new_tokens, temperature, t
                 m = msgs.pop(0)
                 history[j].append(m)
                 if m["role"] == "user":
-                    text = tok.apply_chat_template(history[j], tokenize=False, add_generation_prompt=True)
+                    text = template.render(tok, history[j], generation_prompt=True)
                     p = tok(text, add_special_tokens=False)["input_ids"]
                     # an answered conversation (a finish per answer) whose next prompt fills the window
                     past_window = max_length is not None and len(p) >= max_length and bool(finishes[j])
@@ -191,7 +208,11 @@ def _regenerate_batch(convs, target, eos, pad_id, max_new_tokens, temperature, t
             kept = new if stop is None else new[:stop]
             stats.new_tokens += len(kept) + (stop is not None)
             stats.turns += 1
-            history[j].append({"role": "assistant", "content": tok.decode(kept, skip_special_tokens=False)})
+            answer = {"role": "assistant", "content": tok.decode(kept, skip_special_tokens=False), "token_ids": kept}
+            if reasoning == "drop" and REASONING_END in answer["content"]:
+                answer = {"role": "assistant", "content": answer["content"].split(REASONING_END, 1)[1].lstrip("\n")}
+                stats.reasoning_dropped += 1
+            history[j].append(answer)
     for j, conv in enumerate(convs):
         # trailing system turns after the last user turn carry nothing to train on
         while history[j] and history[j][-1]["role"] != "assistant":

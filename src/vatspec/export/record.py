@@ -5,7 +5,8 @@ The engines never read it (they load ``config.json`` and ``*.safetensors``). It 
     {"format": "vatspec-record", "version": 1, "drafter_kind": "eagle3",
      "target_layer_ids": [1, 14, 26],            ours: output of layer i, as trained
      "target": {"vocab_size": ..., "num_layers": ..., "hidden_size": ...,
-                "tokenizer_sha256": ..., "chat_template_sha256": ...},
+                "tokenizer_sha256": ..., "chat_template_sha256": ...,
+                "chat_template_kwargs": {"enable_thinking": false}},   the template arguments trained with
      "training": {"checkpoint": ..., "step": 48, "k": 3,
                   "heldout": {"step": 48, "tau_sim": 1.21, "cond_acc": [...], "chains": 1467}} | null}
 
@@ -34,6 +35,9 @@ def target_fingerprint(target) -> dict:
         out["tokenizer_sha256"] = _sha(json.dumps(vocab, ensure_ascii=False))
         template = getattr(tok, "chat_template", None)
         out["chat_template_sha256"] = _sha(template) if isinstance(template, str) else None
+    from vatspec.data.chat import target_template
+
+    out["chat_template_kwargs"] = dict(sorted(target_template(target).kwargs.items()))
     return out
 
 
@@ -81,3 +85,25 @@ def _step_of(checkpoint: Path) -> int | None:
 
 def _sha(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def recorded_template(path: str | Path) -> dict | None:
+    """The chat template settings a draft was trained with, where it records them: an export's
+    ``vatspec.json`` (the template's sha256 and arguments), a run folder's or checkpoint's config
+    (``data.chat_template_kwargs``). None when nothing is recorded."""
+    rec = read_record(Path(path)) if Path(path).is_dir() else None
+    if rec is not None:
+        tgt = rec.get("target") or {}
+        return {k: tgt[k] for k in ("chat_template_sha256", "chat_template_kwargs") if k in tgt} or None
+    from vatspec.checkpoint import CheckpointError, resolve_checkpoint, saved_config
+    from vatspec.data.chat import parse_kwargs
+
+    try:
+        ckpt = resolve_checkpoint(path)
+        trainer = json.loads((ckpt / "trainer.json").read_text()) if (ckpt / "trainer.json").is_file() else {}
+        if isinstance(trainer.get("chat_template"), dict):  # the settings the run trained with
+            return trainer["chat_template"]
+        data = saved_config(path).data  # a checkpoint from before they were saved: the config's arguments
+    except (CheckpointError, OSError, json.JSONDecodeError):
+        return None
+    return {"chat_template_kwargs": parse_kwargs(data.chat_template_kwargs, "data.chat_template_kwargs")}

@@ -249,6 +249,13 @@ def check_target(manifest: dict, target, *, what: str = "the run's target") -> N
         if manifest["chat_template_sha256"] != chat_template_sha256(tok):
             raise FeatureCacheError(f"chat_template_sha256 differs from {what}'s chat template: the cached token "
                                     "ids and loss masks were rendered with another template")
+        from vatspec.data.chat import format_kwargs, target_template
+
+        have_kw = format_kwargs(manifest.get("chat_template_kwargs") or {})  # a cache before the field: none
+        want_kw = format_kwargs(target_template(target).kwargs)
+        if have_kw != want_kw:
+            raise FeatureCacheError(f"chat_template_kwargs is {have_kw} in the cache but {want_kw} for {what}: the "
+                                    "cached sequences were rendered with other template arguments")
 
 
 def check_layers(manifest: dict, layer_ids: Iterable[int], who: str) -> None:

@@ -52,10 +52,10 @@ from vatspec.features.format import (
 )
 
 # manifest fields a restart must find unchanged (the rest are outcomes: sizes, checksums, timings)
-SETTINGS = ("target", "tokenizer_sha256", "chat_template_sha256", "layer_ids", "dtype", "precision", "max_length",
-            "source", "shard_size")
+SETTINGS = ("target", "tokenizer_sha256", "chat_template_sha256", "chat_template_kwargs", "layer_ids", "dtype",
+            "precision", "max_length", "source", "shard_size")
 # a setting a cache written before it was recorded holds at this value
-_SETTING_DEFAULTS = {"precision": OLD_PRECISION}
+_SETTING_DEFAULTS = {"precision": OLD_PRECISION, "chat_template_kwargs": {}}
 
 
 def plan_shards(lengths: Sequence[int], bytes_per_tok: int, shard_size: int) -> list[tuple[int, int]]:
@@ -116,7 +116,8 @@ def write_cache(
     if precision not in PRECISIONS:
         raise FeatureCacheError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
     tok = target.tokenizer
-    examples = [D.tokenize_conversation(c, tok, max_length) for c in convs]
+    template = D.target_template(target)
+    examples = [D.tokenize_conversation(c, tok, max_length, template) for c in convs]
     if not examples:
         raise FeatureCacheError(f"{source or 'the data'}: no conversations to cache")
     bpt = bytes_per_token(len(layer_ids), target.hidden_size, dtype)
@@ -125,6 +126,7 @@ def write_cache(
         "format": FORMAT, "format_version": FORMAT_VERSION, "complete": False,
         "target": target_identity(target),
         "tokenizer_sha256": tokenizer_sha256(tok), "chat_template_sha256": chat_template_sha256(tok),
+        "chat_template_kwargs": dict(sorted(template.kwargs.items())),
         "layer_ids": layer_ids, "hidden": "final-normed last hidden state (what the lm_head reads)",
         "dtype": dtype, "precision": precision, "max_length": max_length,
         "source": {"path": str(source), "conversations": len(convs), "sha256": conversations_sha256(convs)},

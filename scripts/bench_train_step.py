@@ -55,7 +55,8 @@ def main() -> None:
 
         data = str(prepare_training_data(target, DemoSize(prompts=32, regen_tokens=128), vatspec_home(), False)[0])
     baseline = args.drafter
-    common = [f"data.train={data}", f"data.batch_size={args.batch_size}", f"data.max_length={args.max_length}",
+    common = ["target.path=default", f"data.train={data}", f"data.batch_size={args.batch_size}",
+              f"data.max_length={args.max_length}",
               f"drafter.kind={args.drafter}", f"drafter.draft_vocab_size={args.draft_vocab}",
               f"drafter.block_size={args.block_size}", f"drafter.num_anchors={args.anchors}"]
     kinds = [k for k in args.kinds.split(",") if k and k != baseline]

@@ -30,7 +30,7 @@ def main() -> None:
         raise SystemExit(__doc__)
     torch.set_num_threads(int(os.environ.get("PILOT_THREADS", "1")))
     out, steps, every = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-    common = shlex.split(sys.argv[4])
+    common = ["target.path=default", *shlex.split(sys.argv[4])]  # the embedded target unless COMMON names one
     arms = [(name, shlex.split(ov)) for name, _, ov in (a.partition("=") for a in sys.argv[5:])]
     out.mkdir(parents=True, exist_ok=True)
     (out / "cmd.txt").write_text(" ".join(shlex.quote(x) for x in sys.argv) + "\n")

@@ -385,11 +385,14 @@ def test_trained_drafter_decodes_losslessly_with_and_without_early_exit(tiny_tar
 def test_cli_reports_bad_input_in_one_line(tmp_path, capsys):
     from vatspec.cli import main
 
-    assert main(["train", f"data.train={tmp_path / 'missing.jsonl'}", f"train.out_dir={tmp_path / 'r'}"]) == 2
+    assert main(["train", "target.path=default", f"data.train={tmp_path / 'missing.jsonl'}",
+                 f"train.out_dir={tmp_path / 'r'}"]) == 2
     err = capsys.readouterr().err
     assert "missing.jsonl: no such file or folder" in err and "Traceback" not in err
     assert main(["train", "train.stepz=3"]) == 2
     assert "unknown field 'train.stepz'" in capsys.readouterr().err
+    assert main(["train", f"data.train={tmp_path / 'missing.jsonl'}", f"train.out_dir={tmp_path / 'r'}"]) == 2
+    assert "target.path is required" in capsys.readouterr().err  # no silent fallback to the embedded target
     assert not (tmp_path / "r").exists()
 
 
@@ -538,3 +541,27 @@ def test_heldout_pool_draws_the_split_from_the_first_items_only():
     assert sorted(train + held) == items and set(range(200, 700)) <= set(train)
     assert heldout_split(items, plain, seed=3)[1] != held  # without the pool the split spans all 700
     assert heldout_split(items[:50], pooled, seed=3) == heldout_split(items[:50], plain, seed=3)  # pool > items
+
+
+def test_template_settings_saved_and_refused_on_resume(tiny_target_dir, data_file, tmp_path):
+    """Every checkpoint records the chat template's sha256 and arguments; resuming with another template is
+    refused naming both, and eval / export read the same record (``recorded_template``)."""
+    from vatspec.data import DataError
+    from vatspec.data.chat import check_settings, template_sha256
+    from vatspec.export.record import recorded_template
+
+    run = tmp_path / "run"
+    train(_cfg(tiny_target_dir, data_file, run, "train.steps=2", "train.save_every=1"))
+    from transformers import AutoTokenizer
+
+    own = AutoTokenizer.from_pretrained(tiny_target_dir).chat_template
+    rec = recorded_template(run)
+    assert rec == {"chat_template_sha256": template_sha256(own), "chat_template_kwargs": {}}
+    other = tmp_path / "other.jinja"
+    other.write_text(own + "{# another template #}")
+    with pytest.raises(DataError, match=r"run resumed\) was made with chat template sha256 .* this run renders with"):
+        train(_cfg(tiny_target_dir, data_file, run, "train.steps=4", "train.save_every=1",
+                   f"data.chat_template={other}"), resume=True)
+    with pytest.raises(DataError, match="--draft .* was made with chat template sha256"):
+        check_settings(rec, {"chat_template_sha256": template_sha256(other.read_text()), "chat_template_kwargs": {}},
+                       f"--draft {run}", "this eval")

@@ -33,8 +33,10 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class TargetConfig:
-    path: str = "default"  # "default" = embedded SmolLM2-135M-Instruct, else a local HF folder
-    dtype: str = "float32"  # float32 | bfloat16 | float16 (fp32, bf16, fp16 are stored as these)
+    path: str = ""  # required: a local HF folder, or "default" = the embedded SmolLM2-135M-Instruct
+    # auto = bfloat16 on a GPU, float32 elsewhere (resolved when training starts); float32 | bfloat16 | float16
+    # (fp32, bf16, fp16 are stored as these)
+    dtype: str = "auto"
     device: str = "auto"  # auto = cuda if available, else cpu
     # a target larger than one GPU, trained online (data.train): accelerate's device_map ("auto",
     # "balanced", ...) spreads its layers over the visible GPUs; the drafter trains on target.device.
@@ -44,7 +46,8 @@ class TargetConfig:
     def __post_init__(self):
         from vatspec.target import device_name, dtype_name
 
-        object.__setattr__(self, "dtype", dtype_name(self.dtype, "target.dtype"))
+        if self.dtype != "auto":
+            object.__setattr__(self, "dtype", dtype_name(self.dtype, "target.dtype"))
         device_name(self.device, "target.device")
 
 
@@ -66,6 +69,11 @@ class DataConfig:
     # target's own prediction there, so each sequence's forward pass trains on all of it). The held-out split
     # is always scored on the answer tokens, and the draft vocabulary is counted on them.
     loss_on: Literal["assistant", "all"] = "assistant"
+    # the chat template every conversation is rendered with, as the serving engine renders it: a Jinja file
+    # ("" = the target tokenizer's own), and its arguments as `key=value,...` (e.g. enable_thinking=false).
+    # Recorded in regenerated data, feature caches, checkpoints and exports; a mismatch is refused.
+    chat_template: str = ""
+    chat_template_kwargs: str = ""
 
 
 @dataclass(frozen=True)
@@ -117,8 +125,8 @@ class TrainConfig:
     save_minutes: float = 30.0  # also checkpoint when this many minutes passed since the last; 0 = never
     keep_checkpoints: int = 2
     # bf16: the forward passes and the loss under bfloat16 autocast; weights, gradients and optimizer
-    # state stay float32 (set target.dtype=bfloat16 too for a bf16 target)
-    precision: Literal["fp32", "bf16"] = "fp32"
+    # state stay float32 (set target.dtype=bfloat16 too for a bf16 target); auto = bf16 on a GPU, else fp32
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
     # Gaussian noise on the target's features while training (not in held-out evaluation), as a
     # fraction of each layer's per-token RMS; 0 = none (the reference trainers' choice)
     feature_noise: float = 0.0
@@ -156,16 +164,21 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             raise ConfigError(f"{path}: expected a mapping of sections, got {type(data).__name__}")
         cfg = merge(cfg, data, source=str(path))
     for item in overrides:
-        key, sep, raw = item.partition("=")
-        key = key.strip()
-        if sep and "." not in key and hasattr(getattr(cfg, key, None), "kind"):
-            key += ".kind"  # `drafter=dflash`, `loss=vat`: shorthand for the section's kind
-        if not sep or "." not in key:
-            raise ConfigError(f"override {item!r}: expected section.field=value (or drafter=KIND, loss=KIND)")
-        section, _, name = key.partition(".")
-        value = yaml.safe_load(raw) if raw.strip() else ""
-        cfg = merge(cfg, {section: {name: value}}, source=f"override {item!r}")
+        cfg = merge(cfg, parse_override(item), source=f"override {item!r}")
     return check(resolve_loss(cfg))
+
+
+def parse_override(item: str) -> dict:
+    """``"section.field=value"`` -> ``{section: {field: value}}`` (the value read as YAML);
+    ``drafter=dflash`` and ``loss=vat`` are short for the section's ``kind``."""
+    key, sep, raw = item.partition("=")
+    key = key.strip()
+    if sep and "." not in key and hasattr(getattr(Config(), key, None), "kind"):
+        key += ".kind"  # `drafter=dflash`, `loss=vat`: shorthand for the section's kind
+    if not sep or "." not in key:
+        raise ConfigError(f"override {item!r}: expected section.field=value (or drafter=KIND, loss=KIND)")
+    section, _, name = key.partition(".")
+    return {section: {name: yaml.safe_load(raw) if raw.strip() else ""}}
 
 
 def resolve_loss(cfg: Config) -> Config:
@@ -351,3 +364,51 @@ def save_config(cfg: Config, path: str | Path) -> None:
 
 def config_from_dict(data: dict, *, source: str = "checkpoint") -> Config:
     return check(resolve_loss(merge(Config(), data, source=source)))
+
+
+# ----------------------------------------------------------------------------- provenance
+def config_sources(path: str | Path | None = None,
+                   overrides: list[str] | tuple[str, ...] = ()) -> list[tuple[str, Any, str]]:
+    """Where each field of ``load_config(path, overrides)`` came from: ``(section.field, value, source)`` for
+    every field, in the dataclasses' order. ``source`` is ``default``, the file's path, ``override ITEM`` (the
+    last to name the field wins, as in ``load_config``), or ``resolved (loss.kind=K, drafter=D)`` for a loss
+    field that ``resolve_loss`` filled when the config loaded. Errors are ``load_config``'s ``ConfigError``s.
+
+        ("data.max_length", 4096, "recipes/qwen3-8b-eagle3-vat.yaml"), ("loss.soft", True, "resolved (...)")
+    """
+    cfg = load_config(path, overrides)  # every check and error message comes from here
+    layers = [(str(path), yaml.safe_load(Path(path).read_text()) or {})] if path else []
+    layers += [(f"override {item}", parse_override(item)) for item in overrides]
+    given, source = Config(), {}  # given: the config before resolve_loss
+    for where, data in layers:
+        given = merge(given, data, source=where)
+        source.update(dict.fromkeys(_dotted(data), where))
+    derived = f"resolved (loss.kind={cfg.loss.kind}, drafter={cfg.drafter.kind})"
+    rows = []
+    for section in dataclasses.fields(cfg):
+        for f in dataclasses.fields(getattr(cfg, section.name)):
+            key = f"{section.name}.{f.name}"
+            value, before = (getattr(getattr(c, section.name), f.name) for c in (cfg, given))
+            if value != before:  # load_config resolves only the loss; anything else is named plainly
+                rows.append((key, value, derived if section.name == "loss" else "resolved when the config loaded"))
+            else:
+                rows.append((key, value, source.get(key, "default")))
+    return rows
+
+
+def _dotted(data: dict, prefix: str = "") -> list[str]:
+    """The leaf keys of a nested mapping as ``a.b`` names."""
+    return [k for key, v in data.items()
+            for k in (_dotted(v, f"{prefix}{key}.") if isinstance(v, dict) else [f"{prefix}{key}"])]
+
+
+def resolve_hardware(cfg: Config, device) -> Config:
+    """``cfg`` with ``target.dtype=auto`` and ``train.precision=auto`` resolved for ``device`` (a
+    ``torch.device``): bfloat16 and bf16 autocast on a GPU, float32 elsewhere. The saved config holds
+    the resolved values, so a resumed run keeps them."""
+    gpu = getattr(device, "type", str(device)) == "cuda"
+    target = cfg.target if cfg.target.dtype != "auto" else dataclasses.replace(
+        cfg.target, dtype="bfloat16" if gpu else "float32")
+    train = cfg.train if cfg.train.precision != "auto" else dataclasses.replace(
+        cfg.train, precision="bf16" if gpu else "fp32")
+    return dataclasses.replace(cfg, target=target, train=train)

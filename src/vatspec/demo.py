@@ -228,7 +228,7 @@ def arm_configs(names: list[str], size: DemoSize, data_path: Path, runs_dir: Pat
     from vatspec.config import load_config
 
     common = [
-        f"data.train={data_path}", f"data.max_length={size.max_length}",
+        "target.path=default", f"data.train={data_path}", f"data.max_length={size.max_length}",
         *([f"data.features={features}"] if features else []),
         "data.heldout_fraction=0.1", "data.heldout_max=16", f"data.heldout_pool={size.prompts}",
         f"data.loss_on={size.loss_on}",

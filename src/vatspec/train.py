@@ -34,7 +34,7 @@ from torch import nn
 
 from vatspec import checkpoint as ckpt_io
 from vatspec.chunked import TeacherShare, chunked_pass
-from vatspec.config import Config, OptimConfig, dump_config
+from vatspec.config import Config, OptimConfig, dump_config, resolve_hardware
 from vatspec.drafters import DrafterPlan, build_drafter, plan_batch
 from vatspec.drafters.base import AcceptHead
 from vatspec.features import CachedTarget
@@ -327,6 +327,17 @@ def train_arms(cfgs: list[Config], *, resume: bool = False, init_from: str | Non
 
     rank, world, device, owned_group = _dist_setup(base.target.device)
     is_main = rank == 0
+    if not base.target.path:
+        raise TrainError("target.path is required: a local HF model folder, or 'default' for the embedded "
+                         "SmolLM2-135M-Instruct")
+    auto = [f for f, v in (("target.dtype", base.target.dtype), ("train.precision", base.train.precision))
+            if v == "auto"]
+    cfgs = [resolve_hardware(c, device) for c in cfgs]
+    base = cfgs[0]
+    if is_main and progress:
+        why = f" ({' and '.join(auto)} auto: {'a GPU' if device.type == 'cuda' else 'no GPU'})" if auto else ""
+        print(f"target {base.target.path} on {device}: {base.target.dtype}, training precision "
+              f"{base.train.precision}{why}", file=sys.stderr)
     # 0. refuse to clobber: a run folder with checkpoints needs --resume (or a new out_dir); a folder
     # vatspec train did not make is never written into; no input lies in, or holds, a run folder
     dcfg = base.data
@@ -371,6 +382,15 @@ def train_arms(cfgs: list[Config], *, resume: bool = False, init_from: str | Non
                              heads_only=bool(dcfg.features),
                              device_map=None if dcfg.features else base.target.device_map)
     tok = target.tokenizer
+    # the template every sequence is rendered with (as served); recorded in config.yaml, checked against the data's
+    template = D.attach_template(target, dcfg.chat_template, dcfg.chat_template_kwargs)
+    settings = template.settings(tok)  # saved in every checkpoint; a resumed run must render as it did
+    for d, state in zip(dirs, states):
+        if state is not None:
+            D.check_settings(state.get("chat_template"), settings, f"{d} (the run resumed)", "this run")
+    if convs is not None:
+        D.check_data_template(convs, settings, f"data.train={dcfg.train}")
+        convs = D.split_turns(convs, tok, template)
     train_cache = _open_cache(dcfg.features, "data.features", target, cfgs, convs) if dcfg.features else None
     held_cache = train_cache
     items = list(range(len(train_cache))) if train_cache else convs  # cache rows stand for the conversations
@@ -381,6 +401,8 @@ def train_arms(cfgs: list[Config], *, resume: bool = False, init_from: str | Non
         else:
             stats["data.heldout"] = read = {}
             held_items = D.load_conversations(dcfg.heldout, skip_bad=dcfg.skip_bad, stats=read)
+            D.check_data_template(held_items, settings, f"data.heldout={dcfg.heldout}")
+            held_items = D.split_turns(held_items, tok, template)
         train_items = items
     else:
         train_items, held_items = heldout_split(items, dcfg, base.train.seed)
@@ -388,8 +410,8 @@ def train_arms(cfgs: list[Config], *, resume: bool = False, init_from: str | Non
     held_src = ((f"data.heldout={dcfg.heldout}" if train_cache else dcfg.heldout) if dcfg.heldout
                 else f"the held-out split of {train_src} (data.heldout_fraction={dcfg.heldout_fraction})")
     stats["train"], stats["heldout"] = {}, {}
-    train_ex = _tokenize(train_items, tok, dcfg.max_length, train_src, train_cache, stats["train"])
-    held_ex = _tokenize(held_items, tok, dcfg.max_length, held_src, held_cache, stats["heldout"])
+    train_ex = _tokenize(train_items, tok, dcfg.max_length, train_src, train_cache, stats["train"], template)
+    held_ex = _tokenize(held_items, tok, dcfg.max_length, held_src, held_cache, stats["heldout"], template)
     if not train_ex:
         raise TrainError(f"{train_src}: no conversation has a supervised (assistant) token")
     counts = D.token_counts(train_ex, target.vocab_size)  # the draft vocabulary: from the answer tokens
@@ -514,7 +536,7 @@ def train_arms(cfgs: list[Config], *, resume: bool = False, init_from: str | Non
                         keep=arm.cfg.train.keep_checkpoints, drafter_state=drafter_state, head_state=head_state,
                         trainer_state={"optimizer": optim_state, "scheduler": arm.sched.state_dict(),
                                        "data": batches.state_dict(), "rng": _get_rng(), "metrics": record,
-                                       "total": total},
+                                       "total": total, "chat_template": settings},
                     )
             t_saved = time.monotonic()
         if world > 1:
@@ -709,7 +731,7 @@ def evaluate_arms(arms: list[Arm], target, examples, cfg: Config, device) -> lis
 MIN_SUPERVISED = 2  # a conversation with one supervised token has nothing to draft after it
 
 
-def _tokenize(convs, tok, max_length: int, source: str, cache=None, stats: dict | None = None):
+def _tokenize(convs, tok, max_length: int, source: str, cache=None, stats: dict | None = None, template=None):
     """The examples worth training on: ``convs`` tokenized, or (``cache``) the cache rows ``convs``,
     without those that keep fewer than ``MIN_SUPERVISED`` supervised tokens; ``stats`` gets the counts."""
     from vatspec import data as D
@@ -717,7 +739,7 @@ def _tokenize(convs, tok, max_length: int, source: str, cache=None, stats: dict 
     if cache is not None:
         examples = _checked(cache.examples, convs, where=source, root=cache.root)
     else:
-        examples = [D.tokenize_conversation(conv, tok, max_length) for conv in convs]
+        examples = [D.tokenize_conversation(conv, tok, max_length, template) for conv in convs]
     out = [ex for ex in examples if sum(ex.loss_mask) >= MIN_SUPERVISED]
     if stats is not None:
         at_max = [len(ex) >= max_length for ex in examples]

@@ -2,6 +2,7 @@
 
     vatspec train data.train=prompts.jsonl drafter=eagle3 loss=vat train.steps=200
     vatspec train --config run.yaml --resume
+    vatspec train --config recipes/qwen3-8b-eagle3-vat.yaml train.epochs=1 --print-config
 """
 
 from __future__ import annotations
@@ -12,11 +13,11 @@ from pathlib import Path
 
 from vatspec.checkpoint import CheckpointError
 from vatspec.commands import report
-from vatspec.config import ConfigError, load_config
+from vatspec.config import ConfigError, config_sources, load_config
 from vatspec.data import DataError
 from vatspec.features import FeatureCacheError
 from vatspec.target import TargetError
-from vatspec.train import MIN_SUPERVISED, TrainError, finished, train
+from vatspec.train import MIN_SUPERVISED, REFERENCE, TrainError, finished, train
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -29,10 +30,19 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "(trainer.pt); only for a folder you trust")
     parser.add_argument("--init-from", help="start from an existing draft (checkpoint or exported folder)")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print every field of the resolved config, its value and where it came from (default, "
+                             "the --config file, an override, or resolved for the drafter), then exit; loads no "
+                             "model or data and writes nothing")
 
 
 def run(args: argparse.Namespace) -> int:
     try:
+        if args.print_config:
+            rows = config_sources(args.config, args.overrides)
+            kind = next(v for k, v, _ in rows if k == "drafter.kind")
+            print(format_sources([(k, v, src + _reference_note(k, v, kind)) for k, v, src in rows]))
+            return 0
         cfg = load_config(args.config, args.overrides)
         if args.resume and (step := finished(cfg, trust_pickle=args.trust_pickle)) is not None:
             print(f"{cfg.train.out_dir}: the run finished at step {step}; nothing to resume")
@@ -48,6 +58,32 @@ def run(args: argparse.Namespace) -> int:
         keys = ["tau_sim", "mean_first_reject", "post_reject_match", "loss"]
         print("held-out: " + ", ".join(f"{k}={metrics[k]:.4f}" for k in keys if k in metrics))
     return 0
+
+
+def format_sources(rows: list[tuple[str, object, str]]) -> str:
+    """``config_sources`` rows as aligned lines: ``data.max_length  2048  recipes/x.yaml``."""
+    values = [_show(v) for _, v, _ in rows]
+    kw, vw = max(len(k) for k, _, _ in rows), max(map(len, values))
+    return "\n".join(f"{k:<{kw}}  {v:<{vw}}  {src}" for (k, _, src), v in zip(rows, values))
+
+
+def _reference_note(key: str, value, kind: str) -> str:
+    """For an optim field left null: the drafter's reference value the trainer puts there when it starts."""
+    section, _, name = key.partition(".")
+    if section == "optim" and value is None and name in REFERENCE[kind]:
+        return f" (null: {REFERENCE[kind][name]:g}, the {kind} reference, set when training starts)"
+    return ""
+
+
+def _show(v) -> str:
+    """A value as it would be written in YAML: null, true, '' for an empty string, [a, b] for a tuple."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (tuple, list)):
+        return "[" + ", ".join(_show(x) for x in v) + "]"
+    return str(v) if v != "" else "''"
 
 
 def data_summary(stats: dict) -> str:

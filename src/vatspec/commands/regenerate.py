@@ -1,7 +1,10 @@
 """``vatspec regenerate``: replace the assistant turns of conversations by the target's own responses
 (``vatspec.data.regenerate``); appends to ``--out`` and resumes where it stopped.
 
-    vatspec regenerate runs/prompts.jsonl --out runs/regen.jsonl --batch-size 8 --max-new-tokens 512
+    vatspec regenerate runs/prompts.jsonl --out runs/regen.jsonl --target default --max-new-tokens 512
+    vatspec regenerate prompts.jsonl --out regen.jsonl --target /models/Qwen3-8B --endpoint http://127.0.0.1:8000 \
+        --endpoint http://127.0.0.1:8001 --model Qwen/Qwen3-8B --concurrency 16 \
+        --chat-template-kwargs enable_thinking=false --verify-sample 8
 """
 
 from __future__ import annotations
@@ -43,6 +46,21 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="default: bfloat16 on GPU, float32 on CPU")
     parser.add_argument("--threads", type=int_arg(1), default=None,
                         help="torch CPU threads; 1 is much faster on a CPU shared with other jobs")
+    srv = parser.add_argument_group("through serving engines (OpenAI-compatible chat completions: vLLM, SGLang, TGI, "
+                                    "llama.cpp, transformers serve); --target then gives the tokenizer")
+    srv.add_argument("--endpoint", action="append", default=[], metavar="URL",
+                     help="a server's URL (repeat for several: requests spread over all)")
+    srv.add_argument("--model", help="the model name the servers serve (required with --endpoint)")
+    srv.add_argument("--concurrency", type=int_arg(1), default=4, help="requests in flight per endpoint")
+    srv.add_argument("--retries", type=int_arg(0), default=5,
+                     help="retries of a request after a 5xx, a timeout or a dropped connection (backoff 0.5 s, "
+                          "doubling)")
+    srv.add_argument("--timeout", type=float_arg(0.0, above=True), default=600.0, help="seconds per request")
+    srv.add_argument("--last-turn-only", action="store_true",
+                     help="answer only the last user turn, the original history kept as context (not supervised)")
+    srv.add_argument("--verify-sample", type=int_arg(0), default=0, metavar="N",
+                     help="generate N answers in-process too (loads the target) and report the share whose token ids "
+                          "equal the server's")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -72,8 +90,15 @@ def run(args: argparse.Namespace) -> int:
             convs = load_conversations(args.input, skip_bad=args.skip_bad, require_assistant=False, stats=read)
         if args.limit is not None:
             convs = convs[: args.limit]
-        target = open_target(args.target, device=args.device or "auto", dtype=args.dtype)
+        if args.endpoint and not args.model:
+            raise DataError("--endpoint needs --model: the name the servers serve the target under")
+        if args.model and not args.endpoint:
+            raise DataError("--model names the model of --endpoint servers; give --endpoint URL")
+        local = not args.endpoint or args.verify_sample  # through servers only the tokenizer is needed
+        target = open_target(args.target, device=(args.device or "auto") if local else "meta", dtype=args.dtype)
         template = use_template(target, args)
+        if args.endpoint:
+            return _through_endpoints(args, convs, target, template, read)
     except (DataError, OutputError, TargetError) as e:
         return report("regenerate", e)
     stats = regenerate(
@@ -99,3 +124,59 @@ def run(args: argparse.Namespace) -> int:
         + f"; {read['bad']} bad input records skipped"
     )
     return 0
+
+
+def _through_endpoints(args, convs, target, template, read) -> int:
+
+    from vatspec.data.endpoints import regenerate_endpoints, verify_sample
+    from vatspec.data.regen import is_regenerated
+    from vatspec.outputs import own_jsonl
+
+    stats = regenerate_endpoints(
+        convs, args.endpoint, args.model, target.tokenizer, target.eos_token_ids, args.out,
+        concurrency=args.concurrency, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+        top_p=args.top_p, seed=args.seed, max_prompt_tokens=args.max_prompt_tokens, max_length=args.max_length,
+        template=template, reasoning=args.reasoning, last_turn_only=args.last_turn_only, retries=args.retries,
+        timeout=args.timeout,
+    )
+    line = (f"wrote {stats.conversations} conversations ({stats.turns} turns, {stats.new_tokens} tokens, "
+            f"{stats.tokens_per_s:.1f} tok/s, {stats.requests} requests) to {args.out}: {len(convs)} read, "
+            f"{stats.skipped_done} already done, {stats.retried} retried, {stats.failed} failed"
+            + (f" (listed in {args.out}.failed.jsonl; a rerun retries them)" if stats.failed else "")
+            + f", {stats.truncated_turns} turns cut at max tokens, {stats.too_long} too long; {read['bad']} bad "
+            "input records skipped")
+    summary = {"format": "vatspec-regen-summary", "endpoints": args.endpoint, "model": args.model,
+               "read": len(convs), "done": stats.conversations, "skipped_done": stats.skipped_done,
+               "retried": stats.retried, "failed": stats.failed, "cut": stats.truncated_turns,
+               "tokens": stats.new_tokens, "seconds": stats.seconds}
+    if args.verify_sample:
+        order = {c.id: k for k, c in enumerate(convs)}
+        records, _ = own_jsonl(args.out, is_regenerated, "--out")
+        records.sort(key=lambda r: order.get(r["id"], len(order)))
+        v = verify_sample(records, target, template, args.verify_sample)
+        summary["verify_sample"] = v
+        line += (f"; token ids identical to in-process generation in {v['identical']} of {v['sampled']} answers"
+                 + (f" (first differences at tokens {v['first_difference']})" if v["first_difference"] else ""))
+    _write_summary(args.out + ".summary.json", summary)
+    print(line)
+    return 0
+
+
+def _write_summary(path: str, summary: dict) -> None:
+    """``OUT.summary.json``: written over only an earlier summary of this command."""
+    import json
+    import os
+
+    from vatspec.outputs import OutputError
+
+    if os.path.exists(path):
+        try:
+            old = json.loads(Path(path).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            old = None
+        if not (isinstance(old, dict) and old.get("format") == summary["format"]):
+            raise OutputError(f"{path} exists and is not an earlier regenerate summary; it is left as it is")
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(summary, f, indent=1)
+    os.replace(tmp, path)

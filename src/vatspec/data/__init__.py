@@ -4,6 +4,7 @@
     chat.py      Conversation -> Example: the chat template's token ids and the loss mask
     batching.py  Example -> Batch; BatchIterator, split_heldout, token_counts
     regen.py     regenerate: every assistant turn answered again by the target, resumable
+    endpoints.py regenerate_endpoints: the same through OpenAI-compatible servers (vLLM, SGLang, ...)
 
 The bundled prompt sets are ``vatspec.benchmarks``, which reads through this package (never the
 other way round).

@@ -29,6 +29,9 @@ class RegenStats:
     new_tokens: int = 0  # generated tokens, end-of-turn token included
     truncated_turns: int = 0  # stopped at max_new_tokens without an end-of-turn token
     reasoning_dropped: int = 0  # answers whose reasoning block was cut (reasoning="drop")
+    requests: int = 0  # through endpoints: requests sent (the probe and retries included)
+    retried: int = 0  # through endpoints: requests retried after a 5xx, a timeout or a dropped connection
+    failed: int = 0  # through endpoints: conversations that kept failing (OUT.failed.jsonl; the next run retries)
     seconds: float = 0.0
 
     @property

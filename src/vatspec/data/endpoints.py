@@ -1,0 +1,358 @@
+"""Regeneration through serving engines: the chat-completions API of vLLM, SGLang, TGI, the llama.cpp
+server and ``transformers serve``, several servers at once, resumable.
+
+    stats = regenerate_endpoints(convs, ["http://127.0.0.1:8000"], "Qwen/Qwen3-8B", tokenizer, eos_ids,
+                                 "regen.jsonl", template=template, concurrency=8)
+
+Each conversation is regenerated turn by turn with its regenerated history (``last_turn_only``: the
+original history, one answer), greedy unless told otherwise, each request carrying the template
+arguments (``chat_template_kwargs``). Workers (``concurrency`` per endpoint) take conversations from
+one queue, so a faster server takes more. The output records are ``regenerate``'s (the same resume and
+ownership rules), with the endpoint, the model and the server's finish reasons in ``meta``, and the
+generated ids on each answer when the server returns them (vLLM's ``return_token_ids``); else training
+re-tokenizes the text. A request that fails with a 5xx, a timeout or a dropped connection is retried with
+backoff; a conversation that keeps failing is written to ``OUT.failed.jsonl`` and counted, and the next
+run retries it.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import os
+import queue
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from vatspec.data.chat import ChatTemplate
+from vatspec.data.records import Conversation, DataError
+from vatspec.data.regen import CUT_MARGIN, REASONING_END, RegenStats, _resume_ids, longest_first
+from vatspec.outputs import OutputError, own_jsonl
+
+log = logging.getLogger(__name__)
+
+BACKOFF_S = 0.5  # the first retry's wait; doubled each time
+
+
+class EndpointError(RuntimeError):
+    """A request failed: ``transient`` (retried: 5xx, 408, 429, a timeout, a dropped connection) or not."""
+
+    def __init__(self, message: str, transient: bool):
+        super().__init__(message)
+        self.transient = transient
+
+
+@dataclass
+class Endpoint:
+    """One OpenAI-compatible server: ``url`` with or without its ``/v1``."""
+
+    url: str
+    timeout: float = 600.0
+    token_ids: bool = False  # the server returns the generated ids (found by ``check_endpoints``)
+    requests: int = field(default=0, compare=False)
+
+    @property
+    def base(self) -> str:
+        url = self.url.rstrip("/")
+        return url if url.endswith("/v1") else url + "/v1"
+
+    def call(self, path: str, body: dict | None = None) -> dict:
+        """GET (``body`` None) or POST JSON to ``base + path``; the decoded JSON answer."""
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.base + path, data=data, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                raw = resp.read()
+        except urllib.error.HTTPError as e:
+            detail = e.read()[:300].decode("utf-8", "replace")
+            raise EndpointError(f"{self.url}: HTTP {e.code}: {detail}", e.code >= 500 or e.code in (408, 429)) from None
+        except (urllib.error.URLError, http.client.HTTPException, ConnectionError, TimeoutError) as e:
+            reason = getattr(e, "reason", e)
+            raise EndpointError(f"{self.url}: {type(reason).__name__}: {reason}", True) from None
+        finally:
+            self.requests += 1
+        try:
+            return json.loads(raw)
+        except ValueError:
+            raise EndpointError(f"{self.url}: the answer is not JSON: {raw[:120]!r}", True) from None
+
+
+def check_endpoints(endpoints: list[Endpoint], model: str, probe: dict, retries: int = 2) -> None:
+    """Before any work: each endpoint answers, serves ``model``, and accepts ``probe`` (a request shaped as
+    the real ones, one token; a transient failure retried). Finds which return token ids. A ``DataError``
+    of one line otherwise."""
+    for ep in endpoints:
+        try:
+            served = [m.get("id") for m in _retried(ep, "/models", None, retries).get("data", [])]
+        except EndpointError as e:
+            raise DataError(f"--endpoint {ep.url}: does not answer ({e})") from None
+        if model not in served:
+            raise DataError(f"--endpoint {ep.url} serves {served}, not --model {model!r}")
+        body = {**probe, "model": model, "max_tokens": 1}
+        try:
+            _retried(ep, "/chat/completions", {**body, "return_token_ids": True}, retries)
+            ep.token_ids = True
+        except EndpointError as e:
+            if e.transient:
+                raise DataError(f"--endpoint {ep.url}: a first request failed ({e})") from None
+            try:  # a server that refuses the field (transformers serve: HTTP 422): text only
+                _retried(ep, "/chat/completions", body, retries)
+            except EndpointError as e2:
+                raise DataError(f"--endpoint {ep.url}: refuses the request ({e2})") from None
+
+
+def _retried(ep: Endpoint, path: str, body: dict | None, retries: int, job: _Job | None = None) -> dict:
+    """``ep.call`` again after a transient failure, ``retries`` times at most, waiting ``BACKOFF_S`` doubling."""
+    for attempt in range(retries + 1):
+        try:
+            return ep.call(path, body)
+        except EndpointError as e:
+            if not e.transient or attempt == retries:
+                raise
+            if job is not None:
+                job.retried += 1
+            time.sleep(BACKOFF_S * 2**attempt)
+    raise AssertionError("unreachable")
+
+
+@dataclass
+class _Job:
+    conv: Conversation
+    record: dict | None = None
+    error: str | None = None
+    endpoint: str = ""
+    retried: int = 0
+    tokens: int = 0
+    turns: int = 0
+    cut: int = 0
+
+
+def regenerate_endpoints(
+    convs: Sequence[Conversation],
+    urls: Sequence[str],
+    model: str,
+    tokenizer,
+    eos_ids: Sequence[int],
+    out_path: str | os.PathLike,
+    *,
+    concurrency: int = 4,
+    max_new_tokens: int = 512,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    max_prompt_tokens: int = 2048,
+    max_length: int | None = None,
+    template: ChatTemplate | None = None,
+    reasoning: str = "keep",
+    last_turn_only: bool = False,
+    retries: int = 5,
+    timeout: float = 600.0,
+    progress: bool = True,
+) -> RegenStats:
+    """``regenerate`` through servers (module docstring); returns the counts (``retried``, ``failed``,
+    ``truncated_turns``: cut at ``max_tokens``). ``tokenizer`` renders the prompts locally to count
+    them (``max_prompt_tokens``, ``max_length``) as the in-process path does."""
+    from tqdm.auto import tqdm
+
+    template = template or ChatTemplate()
+    out_path = Path(out_path)
+    failed_path = out_path.with_name(out_path.name + ".failed.jsonl")
+    endpoints = [Endpoint(u, timeout) for u in urls]
+    ids = [c.id for c in convs]
+    if len(set(ids)) != len(ids):
+        raise DataError("regenerate: conversation ids must be unique")
+    if failed_path.exists():
+        own_jsonl(failed_path, lambda r: isinstance(r.get("id"), str) and "error" in r, "--out's failure list")
+    done = _resume_ids(out_path)
+    todo = longest_first([c for c in convs if c.id not in done])
+    stats = RegenStats(skipped_done=len(convs) - len(todo))
+    if not todo:
+        return stats
+    probe = _body(model, [{"role": "user", "content": "Hi"}], 1, temperature, top_p, seed, template)
+    check_endpoints(endpoints, model, probe, retries)
+    settings = template.settings(tokenizer)
+    gen = dict(model=model, tokenizer=tokenizer, eos=set(eos_ids), max_new_tokens=max_new_tokens,
+               temperature=temperature, top_p=top_p, seed=seed, max_prompt_tokens=max_prompt_tokens,
+               max_length=max_length, template=template, reasoning=reasoning, last_turn_only=last_turn_only,
+               retries=retries)
+    jobs: queue.Queue = queue.Queue()
+    for c in todo:
+        jobs.put(c)
+    results: queue.Queue = queue.Queue()
+    stop = threading.Event()
+    workers = [threading.Thread(target=_worker, args=(ep, jobs, results, stop, gen), daemon=True)
+               for ep in endpoints for _ in range(concurrency)]
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    bar = tqdm(total=len(todo), unit="conv", desc="regenerate", disable=not progress)
+    with open(out_path, "a", encoding="utf-8") as f, open(failed_path, "w", encoding="utf-8") as bad:
+        for w in workers:
+            w.start()
+        try:
+            for _ in range(len(todo)):
+                job: _Job = results.get()
+                stats.retried += job.retried
+                if job.error is not None:
+                    stats.failed += 1
+                    bad.write(json.dumps({"id": job.conv.id, "endpoint": job.endpoint, "error": job.error}) + "\n")
+                    bad.flush()
+                elif job.record is None:
+                    stats.too_long += 1
+                else:
+                    job.record["meta"].update(chat_template=settings, endpoint=job.endpoint, model=model)
+                    f.write(json.dumps(job.record, ensure_ascii=False) + "\n")
+                    f.flush()
+                    os.fsync(f.fileno())
+                    stats.conversations += 1
+                    stats.turns += job.turns
+                    stats.new_tokens += job.tokens
+                    stats.truncated_turns += job.cut
+                stats.seconds = time.perf_counter() - t0
+                reqs = sum(ep.requests for ep in endpoints)
+                bar.update(1)
+                bar.set_postfix(req_s=f"{reqs / max(stats.seconds, 1e-9):.2f}", tok_s=f"{stats.tokens_per_s:.1f}")
+        finally:
+            stop.set()  # Ctrl-C: the workers stop after their request; every written line is whole
+            bar.close()
+    if not stats.failed:
+        failed_path.unlink(missing_ok=True)
+    stats.requests = sum(ep.requests for ep in endpoints)
+    stats.seconds = time.perf_counter() - t0
+    return stats
+
+
+def _worker(ep: Endpoint, jobs: queue.Queue, results: queue.Queue, stop: threading.Event, gen: dict) -> None:
+    while not stop.is_set():
+        try:
+            conv = jobs.get_nowait()
+        except queue.Empty:
+            return
+        job = _Job(conv, endpoint=ep.url)
+        try:
+            _run_conversation(ep, job, gen, stop)
+        except EndpointError as e:
+            job.error = str(e)
+        except Exception as e:  # noqa: BLE001 - a bad answer fails this conversation, never the run
+            job.error = f"{type(e).__name__}: {e}"
+        results.put(job)
+
+
+def _run_conversation(ep: Endpoint, job: _Job, gen: dict, stop: threading.Event) -> None:
+    """Answer each user turn of ``job.conv`` (or only its last, ``last_turn_only``); sets ``job.record``."""
+    tok, template = gen["tokenizer"], gen["template"]
+    msgs = job.conv.messages
+    if gen["last_turn_only"]:
+        last = max((i for i, m in enumerate(msgs) if m["role"] == "user"), default=None)
+        if last is None:
+            return
+        history, pending = [dict(m) for m in msgs[:last]], [msgs[last]]
+    else:
+        history, pending = [], [m for m in msgs if m["role"] != "assistant"]
+    context = len(history)  # original answers before this index are context, not supervised
+    finishes = []
+    while pending and not stop.is_set():
+        m = pending.pop(0)
+        history.append({"role": m["role"], "content": m["content"]})
+        if m["role"] != "user":
+            continue
+        n = len(tok(template.render(tok, history, generation_prompt=True), add_special_tokens=False)["input_ids"])
+        max_length = gen["max_length"]
+        if n > gen["max_prompt_tokens"] or (max_length is not None and n >= max_length and finishes):
+            history.pop()
+            break
+        budget = gen["max_new_tokens"] if max_length is None else min(gen["max_new_tokens"],
+                                                                       max(1, max_length + CUT_MARGIN - n))
+        answer, finish = _answer(ep, job, history, budget, gen)
+        history.append(answer)
+        finishes.append(finish)
+    while history and history[-1]["role"] != "assistant":
+        history.pop()
+    if not finishes:
+        return
+    meta = dict(job.conv.meta, finish=finishes)
+    if context:
+        meta["context_turns"] = context
+    job.record = Conversation(job.conv.id, history, meta).to_json()
+
+
+def _answer(ep: Endpoint, job: _Job, history: list[dict], budget: int, gen: dict) -> tuple[dict, str]:
+    body = _body(gen["model"], history, budget, gen["temperature"], gen["top_p"], gen["seed"], gen["template"])
+    if ep.token_ids:
+        body["return_token_ids"] = True
+    resp = _retried(ep, "/chat/completions", body, gen["retries"], job)
+    choice = resp["choices"][0]
+    message = choice.get("message") or {}
+    content = message.get("content") or ""
+    thought = message.get("reasoning_content") or message.get("reasoning")  # a server's reasoning parser
+    ids = choice.get("token_ids")
+    if thought and gen["reasoning"] == "keep":
+        content = f"<think>\n{thought}\n</think>\n\n{content}"
+    elif gen["reasoning"] == "drop" and REASONING_END in content:
+        content, ids = content.split(REASONING_END, 1)[1].lstrip("\n"), None
+    elif thought:
+        ids = None  # the ids hold the reasoning that the text drops
+    finish = "length" if choice.get("finish_reason") == "length" else "stop"
+    answer = {"role": "assistant", "content": content}
+    if isinstance(ids, list):
+        while ids and ids[-1] in gen["eos"]:  # the end token is not part of the answer (as in-process)
+            ids = ids[:-1]
+        answer["token_ids"] = ids
+    usage = resp.get("usage") or {}
+    job.tokens += int(usage.get("completion_tokens") or len(ids or []))
+    job.turns += 1
+    job.cut += finish == "length"
+    return answer, finish
+
+
+def _body(model, messages, max_tokens, temperature, top_p, seed, template: ChatTemplate) -> dict:
+    body = {"model": model, "messages": [{"role": m["role"], "content": m["content"]} for m in messages],
+            "max_tokens": max_tokens, "temperature": temperature}
+    if temperature > 0:
+        body.update(top_p=top_p, seed=seed)
+    if template.kwargs:
+        body["chat_template_kwargs"] = template.kwargs
+    if template.text is not None:
+        body["chat_template"] = template.text
+    return body
+
+
+__all__ = ["Endpoint", "EndpointError", "OutputError", "check_endpoints", "regenerate_endpoints"]
+
+
+def verify_sample(records: Sequence[dict], target, template: ChatTemplate, n: int) -> dict:
+    """The first answer of ``n`` of ``records`` (written through a server) generated again in-process, greedy:
+    ``{"sampled", "identical", "share", "first_difference"}`` (the token position where each differing pair
+    first parts). The server's ids are its ``token_ids``, else its text tokenized."""
+    from vatspec.data.regen import generate_rows
+
+    tok = target.tokenizer
+    eos = list(target.eos_token_ids)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
+    sampled, same, parts = 0, 0, []
+    for rec in records[:n]:
+        msgs = rec["messages"]
+        first = int(rec.get("meta", {}).get("context_turns", 0))
+        i = next((k for k, m in enumerate(msgs) if m["role"] == "assistant" and k >= first), None)
+        if i is None:
+            continue
+        served = msgs[i].get("token_ids")
+        if served is None:
+            served = tok(msgs[i]["content"], add_special_tokens=False)["input_ids"]
+        stopped = rec["meta"]["finish"][0] == "stop"
+        prompt = tok(template.render(tok, msgs[:i], generation_prompt=True), add_special_tokens=False)["input_ids"]
+        mine = generate_rows(target, [prompt], [len(served) + stopped], eos=eos, pad_id=pad)[0]
+        if mine and mine[-1] in eos:
+            mine = mine[:-1]
+        sampled += 1
+        if mine == list(served):
+            same += 1
+        else:
+            parts.append(next((k for k, (a, b) in enumerate(zip(mine, served)) if a != b), min(len(mine), len(served))))
+    return {"sampled": sampled, "identical": same, "share": same / sampled if sampled else None,
+            "first_difference": parts}

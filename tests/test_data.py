@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import vatspec.data.regen as regen_mod
+from tests.test_templates import supervised_runs
 from vatspec.data import (
     Batch,
     BatchIterator,
@@ -217,13 +218,7 @@ def test_loss_mask_runs_are_assistant_turns(tok):
         {"role": "user", "content": "and?"}, {"role": "assistant", "content": ""},
     ])
     ex = tokenize_conversation(conv, tok)
-    runs, cur = [], []
-    for t, m in zip(ex.input_ids + [None], ex.loss_mask + [False]):
-        if m:
-            cur.append(t)
-        elif cur:
-            runs.append(cur)
-            cur = []
+    runs = supervised_runs(ex)
     assert [tok.decode(r) for r in runs] == [" 4\n<|im_end|>", "<|im_end|>"]
     assert sum(t == IM_END for t in ex.input_ids) == 5 and sum(ex.loss_mask) == sum(map(len, runs))
 

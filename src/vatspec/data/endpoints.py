@@ -32,7 +32,7 @@ from pathlib import Path
 
 from vatspec.data.chat import ChatTemplate
 from vatspec.data.records import Conversation, DataError
-from vatspec.data.regen import CUT_MARGIN, REASONING_END, RegenStats, _resume_ids, longest_first
+from vatspec.data.regen import REASONING_END, RegenStats, _resume_ids, longest_first, turn_budget
 from vatspec.outputs import OutputError, own_jsonl
 
 log = logging.getLogger(__name__)
@@ -262,12 +262,10 @@ def _run_conversation(ep: Endpoint, job: _Job, gen: dict, stop: threading.Event)
         if m["role"] != "user":
             continue
         n = len(tok(template.render(tok, history, generation_prompt=True), add_special_tokens=False)["input_ids"])
-        max_length = gen["max_length"]
-        if n > gen["max_prompt_tokens"] or (max_length is not None and n >= max_length and finishes):
+        budget = turn_budget(n, bool(finishes), gen["max_new_tokens"], gen["max_prompt_tokens"], gen["max_length"])
+        if budget is None:
             history.pop()
             break
-        budget = gen["max_new_tokens"] if max_length is None else min(gen["max_new_tokens"],
-                                                                       max(1, max_length + CUT_MARGIN - n))
         answer, finish = _answer(ep, job, history, budget, gen)
         history.append(answer)
         finishes.append(finish)

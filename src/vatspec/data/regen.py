@@ -179,7 +179,7 @@ def _regenerate_batch(convs, target, eos, pad_id, max_new_tokens, temperature, t
     stopped = [False] * len(convs)
     while True:
         # 1. advance each conversation to its next user turn
-        rows, prompts = [], []
+        rows, prompts, budgets = [], [], []
         for j, msgs in enumerate(pending):
             while msgs and not stopped[j]:
                 m = msgs.pop(0)
@@ -187,20 +187,18 @@ def _regenerate_batch(convs, target, eos, pad_id, max_new_tokens, temperature, t
                 if m["role"] == "user":
                     text = template.render(tok, history[j], generation_prompt=True)
                     p = tok(text, add_special_tokens=False)["input_ids"]
-                    # an answered conversation (a finish per answer) whose next prompt fills the window
-                    past_window = max_length is not None and len(p) >= max_length and bool(finishes[j])
-                    if len(p) > max_prompt_tokens or past_window:
+                    budget = turn_budget(len(p), bool(finishes[j]), max_new_tokens, max_prompt_tokens, max_length)
+                    if budget is None:
                         history[j].pop()
                         stopped[j] = True
                         break
                     rows.append(j)
                     prompts.append(p)
+                    budgets.append(budget)
                     break
         if not rows:
             break
         # 2. generate: each row until an end token, max_new_tokens, or (max_length) the training length + margin
-        budgets = [max_new_tokens if max_length is None
-                   else min(max_new_tokens, max(1, max_length + CUT_MARGIN - len(p))) for p in prompts]
         news = generate_rows(target, prompts, budgets, eos=eos, pad_id=pad_id, temperature=temperature,
                              top_p=top_p, generator=generator)
         # 3. cut each row at its first end token; the text excludes it
@@ -221,6 +219,16 @@ def _regenerate_batch(convs, target, eos, pad_id, max_new_tokens, temperature, t
         while history[j] and history[j][-1]["role"] != "assistant":
             history[j].pop()
         yield Conversation(conv.id, history[j], conv.meta), finishes[j]
+
+
+def turn_budget(n_prompt: int, answered: bool, max_new_tokens: int, max_prompt_tokens: int,
+                max_length: int | None) -> int | None:
+    """The new tokens a turn may generate after a prompt of ``n_prompt`` tokens: ``max_new_tokens``, and with
+    ``max_length`` no further than the training length and ``CUT_MARGIN``. None: the conversation ends before
+    this turn (its prompt is over ``max_prompt_tokens``, or, ``answered``, it already fills ``max_length``)."""
+    if n_prompt > max_prompt_tokens or (max_length is not None and answered and n_prompt >= max_length):
+        return None
+    return max_new_tokens if max_length is None else min(max_new_tokens, max(1, max_length + CUT_MARGIN - n_prompt))
 
 
 @torch.no_grad()

@@ -85,6 +85,10 @@ def test_each_broken_folder_is_caught_with_a_line_naming_it(exports, smol_tokeni
         "vocab_maps": (exports["hf"], dict(weights=lambda w: w["t2d"].fill_(False)), "vocab maps", "t2d"),
         "sizes": (exports["df"], dict(config=lambda c: c.update(num_target_layers=12)), "sizes",
                   "num_target_layers=12 \\(target 8\\)"),
+        "nan": (exports["hf"], dict(weights=lambda w: w["fc.weight"].view(-1)[:3].fill_(float("nan"))),
+                "weight values", "fc.weight has 3 NaN/inf of"),
+        "zeroed": (exports["df"], dict(weights=lambda w: w["fc.weight"].zero_()), "weight values",
+                   "fc.weight is constant \\(0 everywhere\\)"),
     }
     for name, (src, kw, what, msg) in cases.items():
         bad = failures(tamper(src, tmp_path / name, **kw), t)

@@ -643,3 +643,24 @@ def test_cli_exports_a_trained_run_and_train_can_start_from_it(smol_tokenizer_ta
                                "drafter=dflash", "loss=vat"])
     with pytest.raises(TrainError, match="is a eagle3 draft, but drafter.kind=dflash; pass drafter.kind=eagle3"):
         train(other, init_from=str(tmp_path / "sp"), progress=False)
+
+
+def test_served_files_take_the_users_file_mode(target, tmp_path):
+    """safetensors creates 0600 files; an engine in a container runs as another user and must read the weights
+    as it reads config.json: every file of an export and of a checkpoint takes the umask's mode."""
+    import os
+    import stat
+
+    from vatspec.checkpoint import save_checkpoint
+
+    old = os.umask(0o022)
+    try:
+        d = make_drafter("eagle3", target)
+        out = export_draft(d, target, tmp_path / "served", fmt="eagle3-hf", head=make_head(), exit_threshold=0.5)
+        ck = save_checkpoint(tmp_path / "run", 1, drafter=d, head=make_head(), config_yaml="{}\n",
+                             trainer_state={"x": torch.zeros(2)})
+    finally:
+        os.umask(old)
+    files = [p for p in list(out.rglob("*")) + list(ck.rglob("*")) if p.is_file()]
+    assert any(p.suffix == ".safetensors" for p in files)
+    assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in files} == {p.name: 0o644 for p in files}

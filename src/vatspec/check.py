@@ -152,7 +152,7 @@ def _weight_findings(fmt: str, cfg: dict, folder: Path, target) -> list[Finding]
         with safe_open(str(tensors[name]), framework="pt") as f:
             return f.get_tensor(name)
 
-    out = []
+    out = [_values_finding({name: get(name) for name in tensors})]
     emb = next((n for n in tensors if n.endswith("embed_tokens.weight")), None)
     if emb is not None:
         same = embedding_matches(get(emb), target)
@@ -175,6 +175,24 @@ def _weight_findings(fmt: str, cfg: dict, folder: Path, target) -> list[Finding]
         elif cfg.get("draft_vocab_size") not in (None, target.vocab_size):
             out.append(Finding(False, "vocab maps", f"draft_vocab_size {cfg['draft_vocab_size']} without d2t / t2d"))
     return out
+
+
+def _values_finding(tensors: dict[str, torch.Tensor]) -> Finding:
+    """Every tensor read: no NaN or inf anywhere, and no weight matrix all zeros or one constant (what a bad
+    conversion or a torn copy leaves, and what a trained or freshly initialised matrix never is)."""
+    bad = []
+    for name, t in sorted(tensors.items()):
+        if not t.is_floating_point():
+            continue
+        finite = torch.isfinite(t)
+        if not bool(finite.all()):
+            bad.append(f"{name} has {int((~finite).sum())} NaN/inf of {t.numel()}")
+        elif t.dim() == 2 and t.numel() > 1 and bool((t == t.flatten()[0]).all()):
+            bad.append(f"{name} is constant ({float(t.flatten()[0]):g} everywhere)")
+    if bad:
+        return Finding(False, "weight values", "; ".join(bad[:4]) + (f"; and {len(bad) - 4} more" if len(bad) > 4
+                                                                       else ""))
+    return Finding(True, "weight values", f"{len(tensors)} tensors read: finite, no constant matrix")
 
 
 def _mask_finding(cfg: dict, folder: Path, target) -> Finding:

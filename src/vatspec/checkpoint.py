@@ -34,6 +34,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from vatspec.drafters.base import HEAD_RULES, AcceptHead
+from vatspec.outputs import user_mode
 
 
 class CheckpointError(RuntimeError):
@@ -71,17 +72,20 @@ def save_checkpoint(
     tmp.mkdir()
     state = {k: v.detach().cpu().contiguous() for k, v in (drafter_state or drafter.state_dict()).items()}
     save_file(state, tmp / "drafter.safetensors")
+    user_mode(tmp / "drafter.safetensors")
     (tmp / "drafter.json").write_text(
         json.dumps({"kind": drafter.kind, "config": drafter.config.to_dict()}, indent=2)
     )
     if head is not None:
         hs = {k: v.detach().cpu().contiguous() for k, v in (head_state or head.state_dict()).items()}
         save_file(hs, tmp / "head.safetensors")
+        user_mode(tmp / "head.safetensors")
     (tmp / "config.yaml").write_text(config_yaml)
     if trainer_state is not None:
         tensors: dict[str, torch.Tensor] = {}
         tree = _encode({"step": step, **trainer_state}, tensors, "")
         save_file(tensors, tmp / "trainer.safetensors")
+        user_mode(tmp / "trainer.safetensors")
         (tmp / "trainer.json").write_text(json.dumps(tree))
     if final.exists():
         shutil.rmtree(final)

@@ -129,3 +129,11 @@ def _is_json(raw: bytes) -> bool:
     except ValueError:  # UnicodeDecodeError and JSONDecodeError both
         return False
     return True
+
+
+def user_mode(path: str | os.PathLike) -> None:
+    """Give ``path`` the user's default file mode (0644 under umask 022). safetensors creates its files 0600,
+    which an engine running as another user (a container) cannot read."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)

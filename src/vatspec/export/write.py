@@ -29,6 +29,7 @@ from vatspec.export.formats import (
 )
 from vatspec.export.record import RECORD, make_record
 from vatspec.export.validate import validate_export
+from vatspec.outputs import user_mode
 from vatspec.target import DTYPES, dtype_name
 
 
@@ -143,6 +144,7 @@ def export_draft(
     def write(folder: Path) -> None:
         (folder / CONFIG).write_text(json.dumps(cfg, indent=2) + "\n")
         save_file(state, folder / WEIGHTS, metadata={"format": "pt"})
+        user_mode(folder / WEIGHTS)  # an engine in a container runs as another user
         (folder / RECORD).write_text(json.dumps(make_record(drafter, target, training), indent=2) + "\n")
         if state_mask is not None:
             torch.save(state_mask, folder / MASK_FILE)
@@ -211,6 +213,7 @@ def _write_head(folder: Path, head: AcceptHead, drafter, threshold: float | None
     folder.mkdir()
     save_file({k: v.detach().float().cpu().contiguous() for k, v in head.state_dict().items()},
               folder / "head.safetensors", metadata={"format": "pt"})
+    user_mode(folder / "head.safetensors")
     meta = {"format": HEAD_FORMAT, "version": 1, "drafter_kind": drafter.kind, "input": HEAD_INPUT,
             "hidden_size": int(head.proj.in_features), "threshold": threshold, "label": head.label,
             "output": f"logit; sigmoid = {HEAD_RULES[head.label]}"}

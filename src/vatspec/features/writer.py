@@ -50,6 +50,7 @@ from vatspec.features.format import (
     tokenizer_sha256,
     write_manifest,
 )
+from vatspec.outputs import user_mode
 
 # manifest fields a restart must find unchanged (the rest are outcomes: sizes, checksums, timings)
 SETTINGS = ("target", "tokenizer_sha256", "chat_template_sha256", "chat_template_kwargs", "layer_ids", "dtype",
@@ -314,9 +315,7 @@ def _write_shard(out: Path, k: int, tensors: dict, rows: list[dict], meta: dict)
     tmp = final.with_name(final.name + f".tmp-{os.getpid()}")
     # one metadata key: safetensors writes several in hash order, and a shard's bytes must be reproducible
     save_file(tensors, tmp, metadata={FORMAT: json.dumps({"format_version": FORMAT_VERSION, **meta}, sort_keys=True)})
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)  # safetensors creates 0600; a cache is read by other users and jobs
+    user_mode(tmp)  # a cache is read by other users and jobs
     with open(tmp, "rb+") as f:
         os.fsync(f.fileno())
     sha = file_sha256(tmp)

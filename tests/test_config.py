@@ -46,6 +46,7 @@ def test_saved_config_round_trips(tmp_path):
         ("target.dtype=fp8", "'target.dtype=fp8': target.dtype 'fp8' is not one of float32, bfloat16, float16"),
         ("target.dtype=16", "target.dtype '16' is not one of"),
         ("target.device=gpu", "target.device 'gpu' is not a device"),
+        ("drafter.target_layer_ids=[1,1,0]", "drafter.target_layer_ids: [1, 1, 0] repeats a layer"),
     ],
 )
 def test_bad_overrides_fail_loudly(override, message):

@@ -260,6 +260,9 @@ def check(cfg: Config) -> Config:
     ids = cfg.drafter.target_layer_ids
     if ids is not None and (not ids or min(ids) < 0):
         raise ConfigError(f"drafter.target_layer_ids: must be a non-empty list of layer ids >= 0, got {list(ids)}")
+    if ids is not None and len(set(ids)) < len(ids):  # the engines capture each layer once: export would refuse it
+        raise ConfigError(f"drafter.target_layer_ids: {list(ids)} repeats a layer; the engines capture each layer "
+                          "once")
     return cfg
 
 

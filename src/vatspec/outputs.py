@@ -14,10 +14,14 @@ of the command's own records); the commands that write one check that before tou
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from collections.abc import Mapping
+from contextlib import contextmanager
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 OWNER = ".vatspec-owner"
 
@@ -137,3 +141,69 @@ def user_mode(path: str | os.PathLike) -> None:
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(path, 0o666 & ~umask)
+
+
+@contextmanager
+def write_lock(path: str | os.PathLike, what: str, command: str, part: str = ""):
+    """Hold the one-writer lock of the output ``path`` (a run folder, a cache, a JSONL file, an export) while
+    the body runs: a second writer fails at once with an ``OutputError`` naming the holder (pid, host,
+    command, since when). The lock is an advisory ``flock`` on a file under ``$VATSPEC_HOME/locks`` keyed by
+    the output's real path (``part``: a share of it that may be written apart, e.g. one rank's shards), so
+    the outputs hold nothing extra; the kernel releases it when its process dies, and the next writer
+    reports the dead holder it takes over from. One machine: writers on two hosts sharing a filesystem
+    are not seen."""
+    import fcntl
+    import hashlib
+    import socket
+
+    from vatspec.target import vatspec_home
+
+    real = str(_real(path))
+    folder = vatspec_home() / "locks"
+    folder.mkdir(parents=True, exist_ok=True)
+    file = folder / (hashlib.sha256(f"{real}\0{part}".encode()).hexdigest()[:32] + ".lock")
+    fd = os.open(file, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise OutputError(f"{what} {path} is being written by {_holder(fd)}; wait for it to finish or "
+                              f"choose another {what}") from None
+        old = _holder_record(fd)
+        if old and old.get("host") == socket.gethostname() and not _alive(old.get("pid")):
+            log.warning("%s %s: taking over the lock of pid %s (%s since %s), which is no longer running",
+                        what, path, old.get("pid"), old.get("command"), old.get("since"))
+        me = {"pid": os.getpid(), "host": socket.gethostname(), "command": command, "path": real, "part": part,
+              "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(me).encode(), 0)
+        try:
+            yield
+        finally:
+            os.ftruncate(fd, 0)  # released: the file stays (unlinking it would let two writers hold two files)
+    finally:
+        os.close(fd)
+
+
+def _holder_record(fd: int) -> dict | None:
+    try:
+        rec = json.loads(os.pread(fd, 4096, 0).decode() or "null")
+    except (OSError, ValueError):
+        return None
+    return rec if isinstance(rec, dict) else None
+
+
+def _holder(fd: int) -> str:
+    rec = _holder_record(fd) or {}
+    return (f"vatspec {rec.get('command', '?')} (pid {rec.get('pid', '?')} on {rec.get('host', '?')}, since "
+            f"{rec.get('since', '?')})")
+
+
+def _alive(pid) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except (ProcessLookupError, ValueError, TypeError):
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -24,6 +24,7 @@ import random
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -41,7 +42,7 @@ from vatspec.features import CachedTarget
 from vatspec.losses import head_alive_logits, vat_objective
 from vatspec.metrics import MetricAccumulator, chain_metrics
 from vatspec.optim import build_optimizer
-from vatspec.outputs import OutputError, check_apart, check_folder, claim_folder, mark_folder, owner
+from vatspec.outputs import OutputError, check_apart, check_folder, claim_folder, mark_folder, owner, write_lock
 from vatspec.target import TargetOutput, feature_noise
 from vatspec.verify import simulate_verification
 
@@ -294,8 +295,15 @@ def train(cfg: Config, **kw) -> dict:
     return train_arms([cfg], **kw)[0]
 
 
-def train_arms(cfgs: list[Config], *, resume: bool = False, init_from: str | None = None, target=None,
-               progress: bool = True, on_log=None, trust_pickle: bool = False) -> list[dict]:
+def train_arms(cfgs: list[Config], **kw) -> list[dict]:
+    """``_train_arms`` holding each run folder's one-writer lock (``outputs.write_lock``) on the rank that
+    writes: a second training into the same ``train.out_dir`` fails at once, naming the first."""
+    with ExitStack() as locks:
+        return _train_arms(cfgs, locks, **kw)
+
+
+def _train_arms(cfgs: list[Config], locks: ExitStack, *, resume: bool = False, init_from: str | None = None,
+                target=None, progress: bool = True, on_log=None, trust_pickle: bool = False) -> list[dict]:
     """Train several drafters in lockstep on the same batches, sharing one target forward per
     micro-batch. Equivalent to separate runs with the same data, steps and seed (each arm has its
     own optimiser, schedule, RNG stream and run folder); the target's cost is paid once.
@@ -338,8 +346,14 @@ def train_arms(cfgs: list[Config], *, resume: bool = False, init_from: str | Non
         why = f" ({' and '.join(auto)} auto: {'a GPU' if device.type == 'cuda' else 'no GPU'})" if auto else ""
         print(f"target {base.target.path} on {device}: {base.target.dtype}, training precision "
               f"{base.train.precision}{why}", file=sys.stderr)
-    # 0. refuse to clobber: a run folder with checkpoints needs --resume (or a new out_dir); a folder
-    # vatspec train did not make is never written into; no input lies in, or holds, a run folder
+    # 0. one writer per run folder; refuse to clobber: a run folder with checkpoints needs --resume (or a new
+    # out_dir); a folder vatspec train did not make is never written into; no input lies in, or holds, a run folder
+    if is_main:
+        for d in dirs:
+            try:
+                locks.enter_context(write_lock(d, "train.out_dir", "train"))
+            except OutputError as e:
+                raise TrainError(str(e)) from None
     dcfg = base.data
     inputs = {"data.train": dcfg.train, "data.heldout": dcfg.heldout, "data.features": dcfg.features,
               "--init-from": init_from}

@@ -149,6 +149,7 @@ def _write(args: argparse.Namespace) -> int:
     from vatspec.data import check_data_template, load_conversations, split_turns
     from vatspec.features import drafter_layer_ids, finalize_cache, write_cache
     from vatspec.features.format import manifest_precision
+    from vatspec.outputs import write_lock
     from vatspec.target import open_target
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -182,10 +183,10 @@ def _write(args: argparse.Namespace) -> int:
     if rank == 0:
         print(f"cache-features: the target pass in {precision}" + (" (auto)" if args.precision == "auto" else ""),
               file=sys.stderr)
-    man = write_cache(target, convs, args.out, layer_ids=layer_ids, dtype=args.dtype, precision=precision,
-                      shard_size=args.shard_size,
-                      max_length=args.max_length, batch_size=args.batch_size, source=args.data, rank=rank,
-                      world=world, progress=not args.no_progress)
+    with write_lock(args.out, "--out", "cache-features", part=f"{rank}/{world}"):  # one writer per share
+        man = write_cache(target, convs, args.out, layer_ids=layer_ids, dtype=args.dtype, precision=precision,
+                          shard_size=args.shard_size, max_length=args.max_length, batch_size=args.batch_size,
+                          source=args.data, rank=rank, world=world, progress=not args.no_progress)
     w = man["written"]
     if args.part is not None:
         print(f"{args.out}: part {rank}/{world} written ({w['shards']} shard(s), {w['tokens']} tokens); when every "

@@ -16,7 +16,7 @@ from vatspec.export import DEFAULT_FORMAT, FORMATS, export_draft, to_vllm_ids
 from vatspec.export.formats import HEAD_DIR
 from vatspec.export.record import training_record
 from vatspec.export.validate import validate_export
-from vatspec.outputs import OutputError, check_apart
+from vatspec.outputs import OutputError, check_apart, write_lock
 from vatspec.target import TargetError, open_target
 
 
@@ -53,9 +53,10 @@ def run(args: argparse.Namespace) -> int:
         src = Path(args.checkpoint)
         from_run = (src / "drafter.safetensors").is_file() or (src / "latest").is_file()  # else a served draft
         training = training_record(resolve_checkpoint(src), drafter.k) if from_run else None
-        out = export_draft(drafter, target, out, fmt=fmt, head=head, exit_threshold=args.exit_threshold,
-                           dtype=args.dtype, force=args.force, k=args.k,
-                           verifier=args.verifier, training=training, mask_token_id=args.mask_token_id)
+        with write_lock(out, "--out", "export"):
+            out = export_draft(drafter, target, out, fmt=fmt, head=head, exit_threshold=args.exit_threshold,
+                               dtype=args.dtype, force=args.force, k=args.k,
+                               verifier=args.verifier, training=training, mask_token_id=args.mask_token_id)
     except (CheckpointError, TargetError, OutputError, ValueError) as e:  # DataError is a ValueError
         return report("export", e)
     ids = list(drafter.target_layer_ids)

@@ -67,9 +67,9 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from vatspec.benchmarks import load_benchmark
-    from vatspec.data import DataError, load_conversations, regenerate
+    from vatspec.data import DataError, load_conversations
     from vatspec.data.regen import is_regenerated
-    from vatspec.outputs import OutputError, check_apart, check_file, own_jsonl
+    from vatspec.outputs import OutputError, check_apart, check_file, own_jsonl, write_lock
     from vatspec.target import TargetError, open_target
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -97,11 +97,26 @@ def run(args: argparse.Namespace) -> int:
         local = not args.endpoint or args.verify_sample  # through servers only the tokenizer is needed
         target = open_target(args.target, device=(args.device or "auto") if local else "meta", dtype=args.dtype)
         template = use_template(target, args)
-        if args.endpoint:
-            return _through_endpoints(args, convs, target, template, read)
+        with write_lock(args.out, "--out", "regenerate"):  # one writer: a second regenerate fails at once
+            if args.endpoint:
+                return _through_endpoints(args, convs, target, template, read)
+            stats = _in_process(args, convs, target, template)
     except (DataError, OutputError, TargetError) as e:
         return report("regenerate", e)
-    stats = regenerate(
+    print(
+        f"wrote {stats.conversations} conversations ({stats.turns} turns, {stats.new_tokens} tokens, "
+        f"{stats.tokens_per_s:.1f} tok/s) to {args.out}; {stats.skipped_done} already done, "
+        f"{stats.too_long} too long, {stats.truncated_turns} turns hit --max-new-tokens"
+        + (f", {stats.reasoning_dropped} reasoning blocks dropped" if args.reasoning == "drop" else "")
+        + f"; {read['bad']} bad input records skipped"
+    )
+    return 0
+
+
+def _in_process(args, convs, target, template):
+    from vatspec.data import regenerate
+
+    return regenerate(
         convs,
         target,
         args.out,
@@ -116,14 +131,6 @@ def run(args: argparse.Namespace) -> int:
         template=template,
         reasoning=args.reasoning,
     )
-    print(
-        f"wrote {stats.conversations} conversations ({stats.turns} turns, {stats.new_tokens} tokens, "
-        f"{stats.tokens_per_s:.1f} tok/s) to {args.out}; {stats.skipped_done} already done, "
-        f"{stats.too_long} too long, {stats.truncated_turns} turns hit --max-new-tokens"
-        + (f", {stats.reasoning_dropped} reasoning blocks dropped" if args.reasoning == "drop" else "")
-        + f"; {read['bad']} bad input records skipped"
-    )
-    return 0
 
 
 def _through_endpoints(args, convs, target, template, read) -> int:

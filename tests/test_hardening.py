@@ -375,13 +375,16 @@ def test_an_older_checkpoint_resumes_with_trust_pickle(tmp_path, target_dir, run
     torch.save(load_trainer_state(ck), ck / "trainer.pt")
     (ck / "trainer.json").unlink()
     (ck / "trainer.safetensors").unlink()
-    argv = [*env.train("train.steps=3", "--resume"), f"train.out_dir={run}"]
+    # one step further, on this test's copy of the data: changes meant, so said (--resume-with-changes)
+    argv = [*env.train("train.steps=3", "--resume-with-changes"), f"train.out_dir={run}"]
     rc, text = cli(argv, capsys)
     assert rc == 2 and "--trust-pickle" in text
     rc, text = cli([*argv, "--trust-pickle"], capsys)
     assert rc == 0, text
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3]
+    history = [json.loads(line) for line in (run / "config_history.jsonl").read_text().splitlines()]
+    assert history[0]["step"] == 2 and history[0]["changes"]["train.steps"] == [2, 3]
 
 
 # ----------------------------------------------------------------------------- what runs, counted and resumed
@@ -430,6 +433,9 @@ def test_a_rerun_cuts_metrics_back_to_the_checkpoint(tmp_path, target_dir, runs,
     lines = (run / "metrics.jsonl").read_text().splitlines()
     (run / "metrics.jsonl").write_text("\n".join([*lines, lines[-1].replace('"step": 2', '"step": 3')]) + '\n{"st')
     rc, text = cli([*env.train("train.steps=4", "--resume"), f"train.out_dir={run}"], capsys)
+    assert rc == 2 and "train.steps 2 -> 4" in text and "--resume-with-changes" in text  # a longer run: said
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 4  # nothing touched
+    rc, text = cli([*env.train("train.steps=4", "--resume-with-changes"), f"train.out_dir={run}"], capsys)
     assert rc == 0, text
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4]

@@ -18,10 +18,9 @@ def test_a_second_writer_fails_at_once_naming_the_first(tmp_path, monkeypatch):
     monkeypatch.setenv("VATSPEC_HOME", str(tmp_path / "home"))
     out = tmp_path / "run"
     with write_lock(out, "train.out_dir", "train"):
-        with pytest.raises(OutputError, match=rf"train.out_dir {out} is being written by vatspec train \(pid "
-                                               rf"{os.getpid()} on .*, since .*\); wait for it"):
-            with write_lock(out, "train.out_dir", "train"):
-                pass
+        busy = rf"train.out_dir {out} is being written by vatspec train \(pid {os.getpid()} on .*, since .*\); wait"
+        with pytest.raises(OutputError, match=busy), write_lock(out, "train.out_dir", "train"):
+            pass
         with write_lock(out, "--out", "cache-features", part="1/2"):  # another share of the output: allowed
             pass
     with write_lock(out, "train.out_dir", "train"):  # released

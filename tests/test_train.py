@@ -565,3 +565,26 @@ def test_template_settings_saved_and_refused_on_resume(tiny_target_dir, data_fil
     with pytest.raises(DataError, match="--draft .* was made with chat template sha256"):
         check_settings(rec, {"chat_template_sha256": template_sha256(other.read_text()), "chat_template_kwargs": {}},
                        f"--draft {run}", "this eval")
+
+
+def test_resume_with_another_config_is_refused_or_recorded(tiny_target_dir, data_file, tmp_path, capsys):
+    """--resume continues the steps a run took: a config that computes otherwise is refused, listing each change,
+    before anything is written; --resume-with-changes continues and records them; saving and logging fields
+    may change freely."""
+    from vatspec.cli import main
+
+    train(_cfg(tiny_target_dir, data_file, tmp_path / "full", "train.save_every=2"), progress=False)
+    run = _killed_at_step_2(tmp_path / "full", tmp_path / "run")  # a 4-step run killed after step 2
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    base = [f"target.path={tiny_target_dir}", f"data.train={data_file}", f"train.out_dir={run}", "data.batch_size=2",
+            "data.max_length=64", "data.heldout_max=4", "drafter.draft_vocab_size=256", "drafter.ttt_steps=3",
+            "drafter.block_size=4", "drafter.num_anchors=4", "optim.lr=1e-3", "train.save_every=2"]
+    assert main(["train", *base, "train.steps=4", "optim.lr=0.5", "train.seed=3", "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "optim.lr 0.001 -> 0.5; train.seed 0 -> 3. Pass the checkpoint's values, or --resume-with-changes" \
+        in err and "Traceback" not in err
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before  # nothing written
+    assert main(["train", *base, "train.steps=5", "train.log_every=2", "--resume-with-changes", "--no-progress"]) == 0
+    history = [json.loads(line) for line in (run / "config_history.jsonl").read_text().splitlines()]
+    assert [h["changes"] for h in history] == [{"train.steps": [4, 5]}] and history[0]["step"] == 2
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()][-1] == 5

@@ -303,7 +303,8 @@ def train_arms(cfgs: list[Config], **kw) -> list[dict]:
 
 
 def _train_arms(cfgs: list[Config], locks: ExitStack, *, resume: bool = False, init_from: str | None = None,
-                target=None, progress: bool = True, on_log=None, trust_pickle: bool = False) -> list[dict]:
+                target=None, progress: bool = True, on_log=None, trust_pickle: bool = False,
+                with_changes: bool = False) -> list[dict]:
     """Train several drafters in lockstep on the same batches, sharing one target forward per
     micro-batch. Equivalent to separate runs with the same data, steps and seed (each arm has its
     own optimiser, schedule, RNG stream and run folder); the target's cost is paid once.
@@ -451,6 +452,17 @@ def _train_arms(cfgs: list[Config], locks: ExitStack, *, resume: bool = False, i
     for cache, src in cached:  # the drafters as built (--init-from may bring other layers)
         who = {f"the {a.drafter.kind} drafter of {a.run_dir}": a.drafter.target_layer_ids for a in arms}
         _checked(cache.check_run, target, who, dcfg.max_length, where=src, root=cache.root)
+    # a resumed run continues the steps it took: a config that computes otherwise is refused, or (with_changes)
+    # recorded in RUN/config_history.jsonl, never silently written over
+    drift = [(arm, state, config_changes(state["checkpoint"] / "config.yaml", arm.config_yaml))
+             for arm, state in zip(arms, states) if state is not None]
+    for arm, state, changes in drift:
+        if changes and not with_changes:
+            raise TrainError(f"--resume: {arm.run_dir}'s config differs from its checkpoint's "
+                             f"({state['checkpoint'] / 'config.yaml'}): "
+                             + "; ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changes.items())
+                             + ". Pass the checkpoint's values, or --resume-with-changes to continue with these "
+                             "(recorded in config_history.jsonl)")
     step = 0
     steps = [s["step"] if s else 0 for s in states]
     if len(set(steps)) != 1:
@@ -471,6 +483,12 @@ def _train_arms(cfgs: list[Config], locks: ExitStack, *, resume: bool = False, i
                 claim_folder(arm.run_dir, "train")
             else:  # a run folder (``latest``), an older version's too
                 mark_folder(arm.run_dir, "train")
+            for changed, state, changes in drift:
+                if changed is arm and changes:
+                    with open(arm.run_dir / "config_history.jsonl", "a", encoding="utf-8") as f:
+                        f.write(json.dumps({"step": state["step"], "checkpoint": str(state["checkpoint"]),
+                                            "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+                                            "changes": {k: list(v) for k, v in changes.items()}}) + "\n")
             (arm.run_dir / "config.yaml").write_text(arm.config_yaml)
             (arm.run_dir / "data_stats.json").write_text(json.dumps(stats, indent=1) + "\n")
             _cut_metrics(arm.run_dir / "metrics.jsonl", step)  # a rerun or resume logs each step once
@@ -742,6 +760,27 @@ def evaluate_arms(arms: list[Arm], target, examples, cfg: Config, device) -> lis
 
 
 # ----------------------------------------------------------------------------- helpers
+# fields a resumed run may change: they say where, how often and how much to save or log, not what is computed
+RESUME_FREE = ("target.device", "target.device_map", "train.out_dir", "train.log_every", "train.eval_every",
+               "train.save_every", "train.save_minutes", "train.keep_checkpoints", "train.parallel")
+
+
+def config_changes(saved: Path, config_yaml: str) -> dict[str, tuple]:
+    """``{field: (checkpoint's value, this run's)}`` for each field that differs between the config saved in a
+    checkpoint and this run's (both as training saves them: reference values filled), ``RESUME_FREE`` aside."""
+    import yaml
+
+    def flat(d: dict, prefix: str = "") -> dict:
+        out = {}
+        for key, val in d.items():
+            out.update(flat(val, f"{prefix}{key}.") if isinstance(val, dict) else {f"{prefix}{key}": val})
+        return out
+
+    old, new = flat(yaml.safe_load(saved.read_text()) or {}), flat(yaml.safe_load(config_yaml))
+    return {k: (old.get(k), new.get(k)) for k in sorted(set(old) | set(new))
+            if k not in RESUME_FREE and old.get(k) != new.get(k)}
+
+
 MIN_SUPERVISED = 2  # a conversation with one supervised token has nothing to draft after it
 
 

@@ -28,6 +28,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trust-pickle", action="store_true",
                         help="--resume from a checkpoint of an older vatspec, whose trainer state is pickled "
                              "(trainer.pt); only for a folder you trust")
+    parser.add_argument("--resume-with-changes", action="store_true",
+                        help="--resume with a config that computes otherwise than the checkpoint's (lr, data, steps, "
+                             "...): the changes are recorded in RUN/config_history.jsonl")
     parser.add_argument("--init-from", help="start from an existing draft (checkpoint or exported folder)")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--print-config", action="store_true",
@@ -44,11 +47,12 @@ def run(args: argparse.Namespace) -> int:
             print(format_sources([(k, v, src + _reference_note(k, v, kind)) for k, v, src in rows]))
             return 0
         cfg = load_config(args.config, args.overrides)
+        args.resume = args.resume or args.resume_with_changes
         if args.resume and (step := finished(cfg, trust_pickle=args.trust_pickle)) is not None:
             print(f"{cfg.train.out_dir}: the run finished at step {step}; nothing to resume")
             return 0
         metrics = train(cfg, resume=args.resume, init_from=args.init_from, progress=not args.no_progress,
-                        trust_pickle=args.trust_pickle)
+                        trust_pickle=args.trust_pickle, with_changes=args.resume_with_changes)
     except (ConfigError, TrainError, CheckpointError, DataError, TargetError, FeatureCacheError) as e:
         return report("train", e)
     stats_file = Path(cfg.train.out_dir) / "data_stats.json"

@@ -355,7 +355,9 @@ def test_cli_writes_validates_and_trains(tiny_dir, data_file, tmp_path, capsys):
     args = [f"target.path={tiny_dir}", f"data.features={out}", "data.max_length=64", "data.batch_size=2",
             "drafter.draft_vocab_size=256", "drafter=dflash", "drafter.block_size=4", "drafter.num_anchors=4",
             "loss=vat", "train.steps=1", "target.device=cpu", f"train.out_dir={tmp_path / 'r'}", "--no-progress"]
-    assert main(["train", *args]) == 0
+    assert main(["train", *args]) == 2  # a bf16 cache, an fp32 run (auto on a CPU): the features would differ
+    assert "the cache's target pass ran in bf16, the run trains in train.precision=fp32" in capsys.readouterr().err
+    assert main(["train", *args, "train.precision=bf16"]) == 0
     assert "held-out: tau_sim=" in capsys.readouterr().out
 
 

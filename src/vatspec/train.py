@@ -411,12 +411,16 @@ def _train_arms(cfgs: list[Config], locks: ExitStack, *, resume: bool = False, i
     items = list(range(len(train_cache))) if train_cache else convs  # cache rows stand for the conversations
     if dcfg.heldout:
         if train_cache:
+            if Path(dcfg.heldout).resolve() == Path(dcfg.features).resolve():
+                raise TrainError(f"data.heldout={dcfg.heldout} is data.features: held-out metrics would score the "
+                                 "training conversations")
             held_cache = _open_cache(dcfg.heldout, "data.heldout", target, cfgs, None)
             held_items = list(range(len(held_cache)))
         else:
             stats["data.heldout"] = read = {}
             held_items = D.load_conversations(dcfg.heldout, skip_bad=dcfg.skip_bad, stats=read)
             D.check_data_template(held_items, settings, f"data.heldout={dcfg.heldout}")
+            _check_disjoint(convs, held_items, dcfg)
             held_items = D.split_turns(held_items, tok, template)
         train_items = items
     else:
@@ -820,6 +824,10 @@ def _open_cache(path: str, field: str, target, cfgs: list[Config], convs):
             raise TrainError(f"drafter.target_layer_ids: {e}") from None
 
     cache = _checked(FeatureCache, path, where=f"{field}={path}", root=Path(path))
+    if cache.precision != cfgs[0].train.precision:  # the cached features would not be the ones online training sees
+        raise TrainError(f"{field}={path}: the cache's target pass ran in {cache.precision}, the run trains in "
+                         f"train.precision={cfgs[0].train.precision}; rebuild it with cache-features --precision "
+                         f"{cfgs[0].train.precision}, or set train.precision={cache.precision}")
     who = {f"the {c.drafter.kind} drafter of {c.train.out_dir}": layers(c) for c in cfgs}
     _checked(cache.check_run, target, who, cfgs[0].data.max_length, where=f"{field}={path}", root=cache.root)
     src = cache.manifest["source"]
@@ -828,6 +836,20 @@ def _open_cache(path: str, field: str, target, cfgs: list[Config], convs):
                          f"({field}={path} holds {src['conversations']} conversations of {src['path']}); "
                          "leave data.train empty or rebuild the cache")
     return cache
+
+
+def _check_disjoint(train_convs, held_convs, dcfg) -> None:
+    """A ``TrainError`` when the held-out conversations share ids or first prompts with the training ones:
+    held-out metrics would score conversations the drafter trained on."""
+    def key(c):
+        return next((m["content"].strip() for m in c.messages if m["role"] == "user"), "")
+
+    ids, prompts = {c.id for c in train_convs}, {key(c) for c in train_convs}
+    shared = [c for c in held_convs if c.id in ids or key(c) in prompts]
+    if shared:
+        raise TrainError(f"data.heldout={dcfg.heldout} shares {len(shared)} of {len(held_convs)} conversations with "
+                         f"data.train={dcfg.train} (by id or first prompt, e.g. {shared[0].id!r}): held-out metrics "
+                         "would score training conversations; hold out others, or leave data.heldout empty for a split")
 
 
 def _checked(fn, *args, where: str, root=None):

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from vatspec import benchmarks, data
-from vatspec.bench import evaluate, prompt_ids, write_report
+from vatspec.bench import AR, HF, evaluate, prompt_ids, write_report
 from vatspec.calibrate import calibrate
 from vatspec.checkpoint import CheckpointError
 from vatspec.commands import DTYPE_METAVAR, add_template_args, dtype_arg, float_arg, int_arg, report, use_template
@@ -90,6 +90,19 @@ def _run(args: argparse.Namespace) -> int:
         check_settings(recorded_template(path), target.chat.settings(target.tokenizer), f"--draft {path}",
                        "this eval")
         methods[name] = (drafter, None if args.no_head else head)
+    relative = _relative_to(args.relative_to, list(methods))  # names checked before any decoding
+    known = [*methods, AR, *([] if args.no_hf else [HF])]  # the baselines every eval measures too
+    for base in (relative or {}).values():
+        if base not in known:
+            raise ValueError(f"--relative-to {base!r}: no such method (have {', '.join(known)})")
+    if isinstance(args.k, int):
+        if args.k == 0:
+            raise ValueError("--k 0 drafts nothing (the autoregressive baseline is measured in every eval anyway); "
+                             "give --k >= 1 or --k auto")
+        for name, (drafter, _) in methods.items():
+            if getattr(drafter, "kind", None) == "dflash" and args.k > drafter.k:
+                raise ValueError(f"--k {args.k}: the DFlash draft {name!r} fills at most {drafter.k} tokens a round "
+                                 f"(its block of {drafter.k + 1})")
     benches = args.bench or ([] if args.prompts else benchmarks.list_benchmarks())
     prompts = {b: benchmarks.load_benchmark(b) for b in benches}
     for f in args.prompts:
@@ -113,7 +126,7 @@ def _run(args: argparse.Namespace) -> int:
         results["calibration"] = {name: c.to_dict() for name, c in calibration.items()}
     results["config"]["drafts"] = dict(_parse_draft(s) for s in args.draft)
     claim_folder(args.out, "eval")
-    paths = write_report(results, args.out, _relative_to(args.relative_to, list(methods)), plots=not args.no_plots)
+    paths = write_report(results, args.out, relative, plots=not args.no_plots)
     print(paths["markdown"].read_text())
     print("wrote " + ", ".join(str(p) for p in paths.values()))
     return 0

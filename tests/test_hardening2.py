@@ -82,3 +82,23 @@ def test_eval_refuses_before_decoding(tmp_path, tiny_target_dir, capsys, flags, 
     err = capsys.readouterr().err
     assert rc == 2 and message in err, err
     assert not out.exists()  # nothing decoded, nothing written
+
+
+def test_a_section_given_twice_in_yaml_is_refused(tmp_path, capsys):
+    f = tmp_path / "run.yaml"
+    f.write_text("train:\n  steps: 5\nloss:\n  kind: vat\ntrain:\n  seed: 3\n")
+    assert main(["train", "--config", str(f), "--print-config"]) == 2
+    err = capsys.readouterr().err
+    assert f"{f}: not valid YAML" in err and "'train' is given twice (line 5)" in err
+
+
+def test_resume_and_init_from_together_are_refused(tmp_path, capsys):
+    assert main(["train", "target.path=default", f"train.out_dir={tmp_path / 'r'}", "--resume", "--init-from",
+                 str(tmp_path)]) == 2
+    assert "--resume continues a run from its own checkpoint; --init-from starts a new run" in capsys.readouterr().err
+
+
+def test_export_k_must_draft(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["export", str(tmp_path), "--out", str(tmp_path / "o"), "--format", "speculators", "--k", "0"])
+    assert "argument --k/--speculative-tokens: must be >= 1, got 0" in capsys.readouterr().err

@@ -157,7 +157,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist")
         try:
-            data = yaml.safe_load(path.read_text()) or {}
+            data = yaml.load(path.read_text(), Loader=_UniqueKeys) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"{path}: not valid YAML: {e}") from e
         if not isinstance(data, dict):
@@ -179,6 +179,21 @@ def parse_override(item: str) -> dict:
         raise ConfigError(f"override {item!r}: expected section.field=value (or drafter=KIND, loss=KIND)")
     section, _, name = key.partition(".")
     return {section: {name: yaml.safe_load(raw) if raw.strip() else ""}}
+
+
+class _UniqueKeys(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (a section written twice would silently
+    lose its first half)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"{key!r} is given twice (line "
+                                                        f"{key_node.start_mark.line + 1})", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
 
 
 def resolve_loss(cfg: Config) -> Config:

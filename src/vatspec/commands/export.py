@@ -10,7 +10,7 @@ import argparse
 from pathlib import Path
 
 from vatspec.checkpoint import CheckpointError, resolve_checkpoint, saved_config
-from vatspec.commands import DTYPE_METAVAR, dtype_arg, report
+from vatspec.commands import DTYPE_METAVAR, dtype_arg, int_arg, report
 from vatspec.drafts import open_draft
 from vatspec.export import DEFAULT_FORMAT, FORMATS, export_draft, to_vllm_ids
 from vatspec.export.formats import HEAD_DIR
@@ -28,7 +28,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--force", action="store_true", help="replace a non-empty --out made by an earlier export")
     parser.add_argument("--dtype", type=dtype_arg, metavar=DTYPE_METAVAR, help="weights dtype; default: as trained")
     parser.add_argument("--exit-threshold", type=float, help="accept-head early-exit threshold stored beside the draft")
-    parser.add_argument("--k", "--speculative-tokens", dest="k", type=int,
+    parser.add_argument("--k", "--speculative-tokens", dest="k", type=int_arg(1),
                         help="speculators: tokens drafted per round, written as speculative_tokens (default: the "
                              "draft's k, its TTT steps)")
     parser.add_argument("--mask-token-id", type=int, help="DFlash with a learned MASK row: the target id it is served "

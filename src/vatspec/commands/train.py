@@ -48,6 +48,9 @@ def run(args: argparse.Namespace) -> int:
             return 0
         cfg = load_config(args.config, args.overrides)
         args.resume = args.resume or args.resume_with_changes
+        if args.resume and args.init_from:
+            raise TrainError("--resume continues a run from its own checkpoint; --init-from starts a new run from "
+                             "another draft: give one of them")
         if args.resume and (step := finished(cfg, trust_pickle=args.trust_pickle)) is not None:
             print(f"{cfg.train.out_dir}: the run finished at step {step}; nothing to resume")
             return 0

@@ -80,6 +80,18 @@ def default_target_path():
     return prepare_default_target()
 
 
+@pytest.fixture(scope="module")
+def tiny_target_dir(tmp_path_factory, default_target_path):
+    """A tiny random Llama (6 layers) saved with the SmolLM2 tokenizer (chat template), as a local HF folder."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(default_target_path)
+    path = tmp_path_factory.mktemp("tiny_target")
+    tiny_llama(vocab_size=len(tok), hidden_size=32, layers=6).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
 @pytest.fixture(scope="session")
 def smol_tokenizer_target(tmp_path_factory, default_target_path):
     """A tiny random Llama (hidden 32, 8 layers: test_export's H and L) with the SmolLM2 tokenizer (so

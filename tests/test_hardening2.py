@@ -50,19 +50,6 @@ def test_train_refuses_before_any_work(env, capsys, name, extra, message):
     assert checksums(tmp_path) == before and not (tmp_path / "run").exists()
 
 
-@pytest.fixture(scope="module")
-def tiny_target_dir(tmp_path_factory, default_target_path):
-    from transformers import AutoTokenizer
-
-    from tests.conftest import tiny_llama
-
-    tok = AutoTokenizer.from_pretrained(default_target_path)
-    path = tmp_path_factory.mktemp("tiny_target")
-    tiny_llama(vocab_size=len(tok), hidden_size=32, layers=6).save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
-
-
 @pytest.mark.parametrize("flags, message", [
     (["--k", "0"], "--k 0 drafts nothing"),
     (["--k", "9"], "--k 9: the DFlash draft 'd' fills at most 3 tokens a round (its block of 4)"),

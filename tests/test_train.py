@@ -11,23 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import COUNT_CONVS, tiny_llama
+from tests.conftest import COUNT_CONVS
 from vatspec.config import load_config
 from vatspec.train import TrainError, train, train_arms
 
 CONVS = COUNT_CONVS
-
-
-@pytest.fixture(scope="module")
-def tiny_target_dir(tmp_path_factory, default_target_path):
-    """A tiny random Llama saved with the SmolLM2 tokenizer (chat template), as a local HF folder."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(default_target_path)
-    path = tmp_path_factory.mktemp("tiny_target")
-    tiny_llama(vocab_size=len(tok), hidden_size=32, layers=6).save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="module")

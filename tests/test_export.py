@@ -632,9 +632,12 @@ def test_cli_exports_a_trained_run_and_train_can_start_from_it(smol_tokenizer_ta
 
     # what `vatspec train --init-from EXPORT loss.kind=vat` runs: fine-tune the imported draft
     runs["ft"] = tmp_path / "ft"
-    cfg = load_config(None, [f"target.path={t.path}", f"data.train={data}", f"train.out_dir={runs['ft']}",
-                             "loss.kind=vat", "data.batch_size=2", "data.max_length=48", "data.heldout_max=2",
-                             "train.steps=1", "drafter.ttt_steps=2"])
+    ft = [f"target.path={t.path}", f"data.train={data}", f"train.out_dir={runs['ft']}", "loss.kind=vat",
+          "data.batch_size=2", "data.max_length=48", "data.heldout_max=2", "train.steps=1", "drafter.ttt_steps=2"]
+    with pytest.raises(TrainError, match="drafts over 128 tokens, but drafter.draft_vocab_size=32000; pass "
+                                         "drafter.draft_vocab_size=128"):  # never silently its own
+        train(load_config(None, ft), init_from=str(tmp_path / "sp"), progress=False)
+    cfg = load_config(None, [*ft, "drafter.draft_vocab_size=128"])
     train(cfg, init_from=str(tmp_path / "sp"), progress=False)
     d, _ = open_draft(runs["ft"], t)
     assert d.kind == "eagle3" and d.config.draft_vocab_size == 128

@@ -618,7 +618,7 @@ def _build_arm(cfg: Config, target, counts, total: int, world: int, device, init
 
         drafter, _ = open_draft(init_from, target, k=cfg.drafter.ttt_steps)  # EAGLE-3 k; DFlash ignores it
         drafter.train()
-        _check_init_from(drafter, cfg, init_from)
+        _check_init_from(drafter, cfg, init_from, target.vocab_size)
     else:
         drafter = build_drafter(cfg.drafter, target, counts)
     vd = getattr(drafter.config, "draft_vocab_size", None)
@@ -649,14 +649,19 @@ def _build_arm(cfg: Config, target, counts, total: int, world: int, device, init
                fsdp=fsdp)
 
 
-def _check_init_from(drafter, cfg: Config, init_from: str) -> None:
-    """The loss was resolved for ``cfg.drafter``: the draft started from must be that drafter."""
+def _check_init_from(drafter, cfg: Config, init_from: str, vocab_size: int) -> None:
+    """The loss was resolved for ``cfg.drafter``: the draft started from must be that drafter, with the
+    draft vocabulary the config asks for (at most the target's)."""
     if drafter.kind != cfg.drafter.kind:
         raise TrainError(f"--init-from {init_from} is a {drafter.kind} draft, but drafter.kind={cfg.drafter.kind}; "
                          f"pass drafter.kind={drafter.kind}")
     if drafter.kind == "dflash" and drafter.block_size != cfg.drafter.block_size:
         raise TrainError(f"--init-from {init_from} has block size {drafter.block_size}, but "
                          f"drafter.block_size={cfg.drafter.block_size}; pass drafter.block_size={drafter.block_size}")
+    have, want = getattr(drafter.config, "draft_vocab_size", None), min(cfg.drafter.draft_vocab_size, vocab_size)
+    if drafter.kind == "eagle3" and have is not None and have != want:
+        raise TrainError(f"--init-from {init_from} drafts over {have} tokens, but drafter.draft_vocab_size={want}; "
+                         f"pass drafter.draft_vocab_size={have}")
 
 
 def _restore_arm(arm: Arm, state: dict) -> None:

@@ -51,6 +51,7 @@ def per_prompt(run: str, target, convs) -> dict:
                              f"drafter.num_anchors={saved.drafter.num_anchors}",
                              f"drafter.block_size={saved.drafter.block_size}",
                              f"drafter.ttt_steps={saved.drafter.ttt_steps}",
+                             f"drafter.draft_vocab_size={saved.drafter.draft_vocab_size}",
                              f"train.precision={saved.train.precision}", f"train.seed={saved.train.seed}"])
     device = torch.device("cpu")
     arm = _build_arm(cfg, target, None, 1, 1, device, run)

@@ -33,7 +33,7 @@ from pathlib import Path
 from vatspec.data.chat import ChatTemplate
 from vatspec.data.records import Conversation, DataError
 from vatspec.data.regen import REASONING_END, RegenStats, _resume_ids, longest_first, turn_budget
-from vatspec.outputs import OutputError, own_jsonl
+from vatspec.outputs import own_jsonl
 
 log = logging.getLogger(__name__)
 
@@ -320,8 +320,6 @@ def _body(model, messages, max_tokens, temperature, top_p, seed, template: ChatT
     return body
 
 
-__all__ = ["Endpoint", "EndpointError", "OutputError", "check_endpoints", "regenerate_endpoints"]
-
 
 def verify_sample(records: Sequence[dict], target, template: ChatTemplate, n: int) -> dict:
     """The first answer of ``n`` of ``records`` (written through a server) generated again in-process, greedy:
@@ -354,3 +352,6 @@ def verify_sample(records: Sequence[dict], target, template: ChatTemplate, n: in
             parts.append(next((k for k, (a, b) in enumerate(zip(mine, served)) if a != b), min(len(mine), len(served))))
     return {"sampled": sampled, "identical": same, "share": same / sampled if sampled else None,
             "first_difference": parts}
+
+
+__all__ = ["Endpoint", "EndpointError", "check_endpoints", "regenerate_endpoints", "verify_sample"]

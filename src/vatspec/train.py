@@ -671,6 +671,7 @@ def _restore_arm(arm: Arm, state: dict) -> None:
         if not (ck / "head.safetensors").is_file():
             raise TrainError(f"{ck}: no head.safetensors, but loss.head is on")
         full |= {f"head.{k}": v for k, v in _load_tensors(ck / "head.safetensors").items()}
+    _check_shapes(arm, full, state)
     osd = state["optimizer"]
     by_name = bool(osd["param_groups"]) and all(isinstance(i, str) for g in osd["param_groups"] for i in g["params"])
     if arm.fsdp or by_name:  # an fsdp run, or a checkpoint one wrote: named, full state dicts
@@ -689,6 +690,26 @@ def _restore_arm(arm: Arm, state: dict) -> None:
             arm.module.head.load_state_dict({k[5:]: v for k, v in full.items() if k.startswith("head.")})
         arm.opt.load_state_dict(osd)
     arm.sched.load_state_dict(state["scheduler"])
+
+
+def _check_shapes(arm: Arm, full: dict, state: dict) -> None:
+    """A checkpoint's tensors load only into the modules they were saved from: another drafter kind, number
+    of layers or vocabulary is refused in one line (``--resume-with-changes`` changes the steps, not the model)."""
+    want = {k: tuple(v.shape) for k, v in arm.module.state_dict().items()}
+    have = {k: tuple(v.shape) for k, v in full.items()}
+    if want == have:
+        return
+    ck = state["checkpoint"]
+    diff = [f"{k} {list(have[k])} -> {list(want[k])}" for k in want if k in have and want[k] != have[k]]
+    missing, extra = sorted(set(want) - set(have)), sorted(set(have) - set(want))
+    changed = [f"{k} {a!r} -> {b!r}" for k, (a, b) in config_changes(ck / "config.yaml", arm.config_yaml).items()
+               if k.startswith(("drafter.", "loss.head", "target."))]
+    raise TrainError(
+        f"--resume: {ck}'s weights do not fit the drafter this config builds"
+        + (f" ({'; '.join(changed)})" if changed else "")
+        + f": {len(missing)} tensors missing, {len(extra)} unexpected, {len(diff)} of another shape"
+        + (f" (first: {(diff or missing or extra)[0]})" if diff or missing or extra else "")
+        + ". A checkpoint continues only as the drafter it was trained as: start a new run (train.out_dir)")
 
 
 def _full_states(arm: Arm) -> tuple[dict | None, dict | None, dict]:

@@ -191,8 +191,6 @@ def _parse_turn(t: object, where: str) -> dict[str, str]:
 
 
 def _text(x: object, where: str) -> str:
-    if isinstance(x, str):
-        return x
     if isinstance(x, list):  # OpenAI content parts
         parts = []
         for p in x:
@@ -200,8 +198,15 @@ def _text(x: object, where: str) -> str:
                 parts.append(p["text"])
             else:
                 raise DataError(f"{where}: only text content parts are supported, got {p!r:.80}")
-        return "".join(parts)
-    raise DataError(f"{where}: expected a string, got {type(x).__name__}")
+        x = "".join(parts)
+    if not isinstance(x, str):
+        raise DataError(f"{where}: expected a string, got {type(x).__name__}")
+    try:  # a JSON escape of half a surrogate pair ("\ud800") decodes, but no tokenizer can encode it
+        x.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise DataError(f"{where}: text no tokenizer can encode ({x[e.start]!r} at character {e.start + 1}: "
+                        "half of a UTF-16 surrogate pair)") from None
+    return x
 
 
 Records = Iterator[tuple[object, object]]  # (line or row, record or DataError)

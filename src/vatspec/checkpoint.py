@@ -69,6 +69,27 @@ def save_checkpoint(
         shutil.rmtree(stale, ignore_errors=True)
     final = root / (name or f"step-{step:06d}")
     tmp = final.with_name(final.name + f".tmp-{os.getpid()}")
+    try:
+        _write_parts(tmp, step, drafter, head, config_yaml, trainer_state, drafter_state, head_state)
+    except (OSError, SafetensorError) as e:  # a full disk, a quota: nothing half-written is left behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        why = getattr(e, "strerror", None) or str(e).removeprefix("Error while serializing: ")
+        raise CheckpointError(f"{final}: the checkpoint could not be written ({why}); its partial files are "
+                              "removed, the earlier checkpoints are as they were") from e
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _atomic_write_text(run_dir / "latest", final.name + "\n")
+    if keep > 0:
+        steps = sorted(p for p in root.glob("step-*") if ".tmp-" not in p.name)
+        for old in steps[:-keep]:
+            if old != final:
+                shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _write_parts(tmp: Path, step, drafter, head, config_yaml, trainer_state, drafter_state, head_state) -> None:
+    """The files of one checkpoint, into the folder ``tmp`` (renamed into place once complete)."""
     tmp.mkdir()
     state = {k: v.detach().cpu().contiguous() for k, v in (drafter_state or drafter.state_dict()).items()}
     save_file(state, tmp / "drafter.safetensors")
@@ -87,16 +108,6 @@ def save_checkpoint(
         save_file(tensors, tmp / "trainer.safetensors")
         user_mode(tmp / "trainer.safetensors")
         (tmp / "trainer.json").write_text(json.dumps(tree))
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    _atomic_write_text(run_dir / "latest", final.name + "\n")
-    if keep > 0:
-        steps = sorted(p for p in root.glob("step-*") if ".tmp-" not in p.name)
-        for old in steps[:-keep]:
-            if old != final:
-                shutil.rmtree(old, ignore_errors=True)
-    return final
 
 
 def resolve_checkpoint(path: str | Path) -> Path:

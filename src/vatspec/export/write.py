@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 from torch import Tensor
 
@@ -231,8 +232,14 @@ def _write_atomically(out: Path, write, *, force: bool) -> Path:
     tmp.mkdir()
     try:
         write(tmp)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        kept = "the earlier export is as it was" if out.exists() else "nothing is kept"
+        if isinstance(e, (OSError, SafetensorError)):  # a full disk, a quota
+            why = getattr(e, "strerror", None) or str(e).removeprefix("Error while serializing: ")
+            raise ExportError(f"{out}: could not be written ({why}); {kept}") from e
+        if isinstance(e, ExportError) and str(tmp) in str(e):  # a check of the written files: name --out
+            raise ExportError(str(e).replace(str(tmp), str(out))) from e
         raise
     if out.exists():  # keep the old folder until the new one is in place
         old = out.with_name(f".{out.name}.old-{os.getpid()}")

@@ -18,6 +18,7 @@ are one matmul at train time (``Target.logits``); logits ``[T, V]`` are never st
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -172,11 +173,11 @@ def drafter_layer_ids(kind: str, num_target_layers: int, num_draft_layers: int =
     if kind == "eagle3":
         from vatspec.drafters.eagle3 import default_layer_ids
 
-        return list(default_layer_ids(num_target_layers))
+        return list(default_layer_ids(num_target_layers, distinct=True))
     if kind == "dflash":
         from vatspec.drafters.dflash import default_target_layer_ids
 
-        return default_target_layer_ids(num_target_layers, num_draft_layers)
+        return default_target_layer_ids(num_target_layers, num_draft_layers, distinct=True)
     raise FeatureCacheError(f"drafter {kind!r} is not one of eagle3, dflash")
 
 
@@ -207,12 +208,28 @@ def read_manifest(root: Path) -> dict:
 def atomic_write(path: Path, data: bytes) -> None:
     """Write to a temporary name, fsync, rename into place, fsync the folder."""
     tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    with write_failure(path, tmp):
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
     fsync_dir(path.parent)
+
+
+@contextlib.contextmanager
+def write_failure(path: Path, tmp: Path):
+    """A failed write (a full disk, a quota) removes its temporary file and is a ``FeatureCacheError`` naming
+    ``path``; what was written before stays as it was."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except (OSError, SafetensorError) as e:
+        tmp.unlink(missing_ok=True)
+        why = getattr(e, "strerror", None) or str(e).removeprefix("Error while serializing: ")
+        raise FeatureCacheError(f"{path}: could not be written ({why}); the partial file is removed, the shards "
+                                "written before are kept (rerun to resume)") from e
 
 
 def fsync_dir(folder: Path) -> None:

@@ -48,6 +48,7 @@ from vatspec.features.format import (
     target_identity,
     token_hash,
     tokenizer_sha256,
+    write_failure,
     write_manifest,
 )
 from vatspec.outputs import user_mode
@@ -313,14 +314,16 @@ def _write_shard(out: Path, k: int, tensors: dict, rows: list[dict], meta: dict)
 
     final = out / shard_name(k)
     tmp = final.with_name(final.name + f".tmp-{os.getpid()}")
-    # one metadata key: safetensors writes several in hash order, and a shard's bytes must be reproducible
-    save_file(tensors, tmp, metadata={FORMAT: json.dumps({"format_version": FORMAT_VERSION, **meta}, sort_keys=True)})
-    user_mode(tmp)  # a cache is read by other users and jobs
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    sha = file_sha256(tmp)
-    size = tmp.stat().st_size
-    os.replace(tmp, final)
+    with write_failure(final, tmp):
+        # one metadata key: safetensors writes several in hash order, and a shard's bytes must be reproducible
+        save_file(tensors, tmp, metadata={FORMAT: json.dumps({"format_version": FORMAT_VERSION, **meta},
+                                                              sort_keys=True)})
+        user_mode(tmp)  # a cache is read by other users and jobs
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        sha = file_sha256(tmp)
+        size = tmp.stat().st_size
+        os.replace(tmp, final)
     fsync_dir(out)
     for r in rows:
         r["shard"] = final.name

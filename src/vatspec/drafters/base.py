@@ -87,6 +87,19 @@ def batch_field(batch: Any, name: str, required: bool = True) -> Tensor | None:
 _C = TypeVar("_C", bound="SavedConfig")
 
 
+def distinct_layers(ids: list[int], num_layers: int, what: str) -> list[int]:
+    """``ids`` (increasing, maybe repeating) made distinct: each repeat moves up to the next layer. A reference
+    formula repeats a layer only on targets shallower than any real one (EAGLE-3's ``1, L//2 - 1, L - 4`` on 6
+    layers gives ``1, 2, 2``); a repeated layer is a wasted input the engines refuse to capture twice."""
+    out: list[int] = []
+    for i in ids:
+        out.append(max(int(i), out[-1] + 1) if out else int(i))
+    if out[-1] >= num_layers:
+        raise ValueError(f"a {num_layers}-layer target has too few layers for {len(ids)} distinct {what} target "
+                         "layers; set drafter.target_layer_ids")
+    return out
+
+
 class SavedConfig:
     """``to_dict`` / ``from_dict`` of a drafter's frozen config dataclass, the form every checkpoint
     saves (``drafter.json``); both drafters' configs inherit them."""

@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from vatspec.drafters.base import AcceptHead, DraftOutput, Linear, SavedConfig, batch_field
+from vatspec.drafters.base import AcceptHead, DraftOutput, Linear, SavedConfig, batch_field, distinct_layers
 from vatspec.drafters.layers import MLP, RMSNorm, apply_rope, rope_cos_sin, rope_init, rope_parameters
 from vatspec.drafters.sampling import Proposal, sample, warp_logits
 from vatspec.target import Target, TargetOutput
@@ -56,11 +56,12 @@ MASK_SOURCES = ("override", "tokenizer", "unused_row", "special", "learned")
 MIN_CACHE = 256  # initial context-cache capacity of a session (positions); doubles when full
 
 
-def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int, *, distinct: bool = False) -> list[int]:
     """The reference's choice of target layers, one per draft layer (ids = layer outputs).
 
     ``[L // 2]`` for one draft layer, else ``round(1 + i * (L - 4) / (n - 1))`` for i < n: evenly
     spread from layer 1 to layer L - 3. Python's ``round`` (half to even), as the reference.
+    ``distinct`` (what training builds): a layer repeated on a shallow target moves up to the next one.
     """
     L, n = num_target_layers, num_draft_layers
     if n < 1:
@@ -69,7 +70,8 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
         return [L // 2]
     if L < 4:
         raise ValueError(f"spreading {n} target layers needs a target of >= 4 layers, got {L}")
-    return [int(round(1 + i * (L - 4) / (n - 1))) for i in range(n)]
+    ids = [int(round(1 + i * (L - 4) / (n - 1))) for i in range(n)]
+    return distinct_layers(ids, L, "DFlash") if distinct else ids
 
 
 def pick_mask_token(
@@ -177,7 +179,8 @@ class DFlashConfig(SavedConfig):
         """Config for ``target``: reference layer ids, the target's sizes, a mask token picked by
         ``pick_mask_token`` (or ``mask_token_id``). ``overrides`` replace any other field."""
         tc = target.config
-        ids = list(target_layer_ids) if target_layer_ids else default_target_layer_ids(target.num_layers, num_layers)
+        ids = (list(target_layer_ids) if target_layer_ids
+               else default_target_layer_ids(target.num_layers, num_layers, distinct=True))
         target.check_layer_ids(ids)
         V = target.vocab_size
         if mask_token_id is not None:

@@ -41,7 +41,7 @@ from torch import Tensor, nn
 from transformers.activations import ACT2FN
 
 from vatspec.drafters import DEFAULT_TTT_STEPS
-from vatspec.drafters.base import AcceptHead, DraftOutput, Linear, SavedConfig, batch_field
+from vatspec.drafters.base import AcceptHead, DraftOutput, Linear, SavedConfig, batch_field, distinct_layers
 from vatspec.drafters.layers import (
     MLP,
     ROPE_TYPES,
@@ -58,15 +58,17 @@ _ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_pos
 
 
 # ----------------------------------------------------------------------------- config
-def default_layer_ids(num_layers: int) -> tuple[int, int, int]:
-    """Reference low/mid/high layers: outputs of layers ``1, L//2 - 1, L - 4`` (our layer ids)."""
+def default_layer_ids(num_layers: int, *, distinct: bool = False) -> tuple[int, int, int]:
+    """Reference low/mid/high layers: outputs of layers ``1, L//2 - 1, L - 4`` (our layer ids), the engines'
+    default. ``distinct`` (what training builds): a layer the formula repeats on a target under 7 layers
+    moves up to the next one (``distinct_layers``)."""
     ids = (1, num_layers // 2 - 1, num_layers - 4)
     if min(ids) < 0 or max(ids) >= num_layers:
         raise ValueError(
             f"a {num_layers}-layer target is too shallow for the default EAGLE-3 layers {ids}; "
             "set drafter.target_layer_ids"
         )
-    return ids
+    return tuple(distinct_layers(list(ids), num_layers, "EAGLE-3")) if distinct else ids
 
 
 def rope_from_config(cfg) -> tuple[float, dict | None]:
@@ -141,7 +143,8 @@ class Eagle3Config(SavedConfig):
         """Reference shapes for ``target``: draft width = target width, the target's attention
         geometry, MLP size, norm eps, activation and RoPE; draft vocabulary capped by the target's."""
         cfg = target.config
-        ids = tuple(target_layer_ids) if target_layer_ids is not None else default_layer_ids(target.num_layers)
+        ids = (tuple(target_layer_ids) if target_layer_ids is not None
+               else default_layer_ids(target.num_layers, distinct=True))
         target.check_layer_ids(ids)
         H = int(target.hidden_size)
         nh = int(cfg.num_attention_heads)

@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
 
     from vatspec.benchmarks import load_benchmark
     from vatspec.data import DataError, load_conversations
-    from vatspec.data.regen import is_regenerated
+    from vatspec.data.regen import check_same_input, is_regenerated, shortest_prompt
     from vatspec.outputs import OutputError, check_apart, check_file, own_jsonl, write_lock
     from vatspec.target import TargetError, open_target
 
@@ -82,12 +82,13 @@ def run(args: argparse.Namespace) -> int:
         inputs = {"input": args.input if Path(args.input).exists() else None,
                   "--target": args.target if Path(args.target).exists() else None}
         check_apart(check_file(args.out), inputs, "--out")
-        if Path(args.out).exists():
-            own_jsonl(args.out, is_regenerated, "--out", tail_prefix=b'{"id": ')
+        done = (own_jsonl(args.out, is_regenerated, "--out", tail_prefix=b'{"id": ')[0]
+                if Path(args.out).exists() else [])
         if args.input.startswith("bench:"):
             convs = load_benchmark(args.input[len("bench:"):], turns="all")
         else:
             convs = load_conversations(args.input, skip_bad=args.skip_bad, require_assistant=False, stats=read)
+        check_same_input(done, convs, args.out, args.input)
         if args.limit is not None:
             convs = convs[: args.limit]
         if args.endpoint and not args.model:
@@ -97,6 +98,9 @@ def run(args: argparse.Namespace) -> int:
         local = not args.endpoint or args.verify_sample  # through servers only the tokenizer is needed
         target = open_target(args.target, device=(args.device or "auto") if local else "meta", dtype=args.dtype)
         template = use_template(target, args)
+        if args.max_length is not None and (n := shortest_prompt(convs, target.tokenizer, template)) >= args.max_length:
+            raise DataError(f"--max-length {args.max_length}: every conversation's first prompt holds at least "
+                            f"{n} tokens, so no answer token would fit the training length; raise --max-length")
         with write_lock(args.out, "--out", "regenerate"):  # one writer: a second regenerate fails at once
             if args.endpoint:
                 return _through_endpoints(args, convs, target, template, read)

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from vatspec.data.chat import ChatTemplate
 from vatspec.data.records import Conversation, DataError
-from vatspec.data.regen import REASONING_END, RegenStats, _resume_ids, longest_first, turn_budget
+from vatspec.data.regen import REASONING_END, RegenStats, _resume_ids, longest_first, source_sha256, turn_budget
 from vatspec.outputs import own_jsonl
 
 log = logging.getLogger(__name__)
@@ -205,7 +205,8 @@ def regenerate_endpoints(
                 elif job.record is None:
                     stats.too_long += 1
                 else:
-                    job.record["meta"].update(chat_template=settings, endpoint=job.endpoint, model=model)
+                    job.record["meta"].update(chat_template=settings, endpoint=job.endpoint, model=model,
+                                              source=source_sha256(job.conv))
                     f.write(json.dumps(job.record, ensure_ascii=False) + "\n")
                     f.flush()
                     os.fsync(f.fileno())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -15,7 +16,7 @@ import torch
 
 from vatspec.data.chat import ChatTemplate, require_template
 from vatspec.data.records import Conversation, DataError
-from vatspec.outputs import own_jsonl
+from vatspec.outputs import OutputError, own_jsonl
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +104,7 @@ def regenerate(
     out_path = Path(out_path)
     done = _resume_ids(out_path)
     todo = [c for c in convs if c.id not in done]
+    src = {c.id: c for c in todo}
     stats = RegenStats(skipped_done=len(convs) - len(todo))
     todo = longest_first(todo)
     eos = list(target.eos_token_ids)
@@ -119,7 +121,7 @@ def regenerate(
                 if not finishes:
                     stats.too_long += 1
                     continue
-                meta = dict(conv.meta, finish=finishes, chat_template=settings)
+                meta = dict(conv.meta, finish=finishes, chat_template=settings, source=source_sha256(src[conv.id]))
                 rec = Conversation(conv.id, conv.messages, meta).to_json()
                 f.write(json.dumps(rec, ensure_ascii=False) + "\n")
                 f.flush()
@@ -153,6 +155,11 @@ def _batches(convs: list[Conversation], tok, batch_size: int, batch_tokens: int 
         widest = max(widest, n)
     if batch:
         yield batch
+
+
+def shortest_prompt(convs: Sequence[Conversation], tok, template: ChatTemplate | None = None) -> int:
+    """The fewest tokens a conversation's first prompt (rendered for generation) holds; 0 for no conversation."""
+    return min((n for c in convs if (n := _first_prompt_len(c, tok, template))), default=0)
 
 
 def _first_prompt_len(conv: Conversation, tok, template: ChatTemplate | None = None) -> int:
@@ -305,6 +312,29 @@ def _next_tokens(logits: torch.Tensor, temperature: float, top_p: float, generat
     # the generator's device: a model split over devices (device_map) has its logits on the last one
     dev = generator.device if generator is not None else probs.device
     return torch.multinomial(probs.to(dev), 1, generator=generator).squeeze(1).to(logits.device)
+
+
+def source_sha256(conv: Conversation) -> str:
+    """The identity of the input conversation a record was regenerated from (its id aside): the sha256 of its
+    messages' roles and texts, recorded as ``meta["source"]``."""
+    msgs = [[m["role"], m["content"]] for m in conv.messages]
+    return hashlib.sha256(json.dumps(msgs, ensure_ascii=False).encode()).hexdigest()
+
+
+def check_same_input(records: Sequence[dict], convs: Sequence[Conversation], out: str, source: str) -> None:
+    """An existing ``--out`` resumes only the regeneration of this input: each record's id must name a
+    conversation of ``convs`` with the messages it was regenerated from (``meta["source"]``); the records of
+    another input (their own ids, or the same ids with other prompts) are refused before anything is written."""
+    by_id = {c.id: c for c in convs}
+    for n, rec in enumerate(records, 1):
+        conv = by_id.get(rec["id"])
+        if conv is None:
+            raise OutputError(f"{out}:{n}: conversation {rec['id']!r} is not in {source}: {out} holds another "
+                              "input's regeneration; give another --out")
+        recorded = rec["meta"].get("source")
+        if recorded is not None and recorded != source_sha256(conv):
+            raise OutputError(f"{out}:{n}: conversation {rec['id']!r} was regenerated from other messages than "
+                              f"{source}'s {rec['id']!r}: {out} holds another input's regeneration; give another --out")
 
 
 def is_regenerated(rec) -> bool:

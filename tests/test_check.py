@@ -89,6 +89,10 @@ def test_each_broken_folder_is_caught_with_a_line_naming_it(exports, smol_tokeni
                 "weight values", "fc.weight has 3 NaN/inf of"),
         "zeroed": (exports["df"], dict(weights=lambda w: w["fc.weight"].zero_()), "weight values",
                    "fc.weight is constant \\(0 everywhere\\)"),
+        "dtype_declared": (exports["spec"], dict(config=lambda c: c.update(torch_dtype="bfloat16")), "weight dtype",
+                           "the tensors are float32, config.json declares bfloat16"),
+        "dtype_mixed": (exports["df"], dict(weights=lambda w: w.update({"fc.weight": w["fc.weight"].bfloat16()})),
+                        "weight dtype", "mixed: 1 tensors bfloat16 \\(e.g. fc.weight\\); .* float32"),
     }
     for name, (src, kw, what, msg) in cases.items():
         bad = failures(tamper(src, tmp_path / name, **kw), t)

@@ -152,7 +152,8 @@ def _weight_findings(fmt: str, cfg: dict, folder: Path, target) -> list[Finding]
         with safe_open(str(tensors[name]), framework="pt") as f:
             return f.get_tensor(name)
 
-    out = [_values_finding({name: get(name) for name in tensors})]
+    values = {name: get(name) for name in tensors}
+    out = [_values_finding(values), _dtype_finding(cfg, values)]
     emb = next((n for n in tensors if n.endswith("embed_tokens.weight")), None)
     if emb is not None:
         same = embedding_matches(get(emb), target)
@@ -193,6 +194,25 @@ def _values_finding(tensors: dict[str, torch.Tensor]) -> Finding:
         return Finding(False, "weight values", "; ".join(bad[:4]) + (f"; and {len(bad) - 4} more" if len(bad) > 4
                                                                        else ""))
     return Finding(True, "weight values", f"{len(tensors)} tensors read: finite, no constant matrix")
+
+
+def _dtype_finding(cfg: dict, tensors: dict[str, torch.Tensor]) -> Finding:
+    """The floating tensors share one dtype, the one ``config.json`` declares (``torch_dtype`` or ``dtype``): a
+    mix, or another dtype than declared, is what a partial or hand-made conversion leaves."""
+    stored: dict[str, list[str]] = {}
+    for name, t in sorted(tensors.items()):
+        if t.is_floating_point():
+            stored.setdefault(str(t.dtype).removeprefix("torch."), []).append(name)
+    declared = cfg.get("torch_dtype") or cfg.get("dtype")
+    if len(stored) > 1:
+        return Finding(False, "weight dtype", "mixed: " + "; ".join(f"{len(v)} tensors {d} (e.g. {v[0]})"
+                                                                     for d, v in sorted(stored.items())))
+    have = next(iter(stored), None)
+    if declared and have and declared != have:
+        return Finding(False, "weight dtype", f"the tensors are {have}, config.json declares {declared} "
+                       f"(torch_dtype): a conversion that stopped half way or a hand-edited config")
+    return Finding(True, "weight dtype", f"{have or 'no floating tensors'}" + (", as config.json declares"
+                                                                                 if declared else ""))
 
 
 def _mask_finding(cfg: dict, folder: Path, target) -> Finding:

@@ -34,6 +34,18 @@ from vatspec.export.formats import (
 
 
 # ----------------------------------------------------------------------------- import
+def _check_fit(module: torch.nn.Module, weights: dict[str, torch.Tensor], served: dict[str, str], what: str) -> None:
+    """One line naming each tensor (as the file names it) whose shape the config does not give it, and the
+    missing or unexpected ones."""
+    want = {k: list(v.shape) for k, v in module.state_dict().items()}
+    bad = [f"{served.get(k, k)} is {list(weights[k].shape)}, the config makes it {want[k]}"
+           for k in want if k in weights and list(weights[k].shape) != want[k]]
+    bad += [f"{served.get(k, k)} is missing" for k in sorted(set(want) - set(weights))]
+    bad += [f"{served.get(k, k)} is not a tensor of this drafter" for k in sorted(set(weights) - set(want))]
+    if bad:
+        raise ExportError(f"{what}: " + "; ".join(bad[:4]) + (f"; and {len(bad) - 4} more" if len(bad) > 4 else ""))
+
+
 def import_draft(path: str | Path, target, *, k: int | None = None,
                  device: str | torch.device | None = None):
     """A served draft folder (any of the three formats, ours or third-party) -> this project's drafter,
@@ -44,7 +56,9 @@ def import_draft(path: str | Path, target, *, k: int | None = None,
     src = str(path / CONFIG)
     cfg = read_json(path / CONFIG)
     fmt = detect_format(cfg, src)
-    weights = {internal_name(fmt, name): v for name, v in _read_weights(path).items()}
+    raw = _read_weights(path)
+    weights = {internal_name(fmt, name): v for name, v in raw.items()}
+    served = {internal_name(fmt, name): name for name in raw}  # errors name the file's tensors
     emb = weights.pop("embed_tokens.weight", None)  # speculators exports carry the verifier's embedding
     if emb is not None and not embedding_matches(emb, target):
         warnings.warn(f"{path}: embed_tokens.weight differs from the target's embedding; the drafter uses the "
@@ -60,10 +74,8 @@ def import_draft(path: str | Path, target, *, k: int | None = None,
         if "d2t" not in weights and "t2d" not in weights and c.draft_vocab_size == c.vocab_size:
             weights["d2t"], weights["t2d"] = drafter.d2t.clone(), torch.ones(c.vocab_size, dtype=torch.bool)
     drafter.attach_target(target)
-    try:
-        drafter.load_state_dict(weights, strict=True)
-    except RuntimeError as e:
-        raise ExportError(f"{path}: the weights do not fit the {fmt} config: {e}") from e
+    _check_fit(drafter, weights, served, f"{path}: the weights do not fit the {fmt} config.json")
+    drafter.load_state_dict(weights, strict=True)
     if fmt != "dflash":
         try:
             check_draft_vocab(drafter.d2t, drafter.t2d)

@@ -32,7 +32,7 @@ from vatspec.config import load_config
 from vatspec.metrics import MetricAccumulator
 from vatspec.stats import paired_difference
 from vatspec.target import open_target
-from vatspec.train import CHAINS_KEY, _build_arm, _pad_id, _tokenize, arms_micro_step, step_generator
+from vatspec.train import CHAINS_KEY, arms_micro_step, build_arm, pad_id, step_generator, tokenize_items
 
 
 def answers(target, path: Path, lo: int, hi: int) -> list:
@@ -54,14 +54,14 @@ def per_prompt(run: str, target, convs) -> dict:
                              f"drafter.draft_vocab_size={saved.drafter.draft_vocab_size}",
                              f"train.precision={saved.train.precision}", f"train.seed={saved.train.seed}"])
     device = torch.device("cpu")
-    arm = _build_arm(cfg, target, None, 1, 1, device, run)
+    arm = build_arm(cfg, target, None, 1, device=device, init_from=run)
     arm.model.eval()
-    examples = _tokenize(convs, target.tokenizer, saved.data.max_length, "--answers")
+    examples = tokenize_items(convs, target.tokenizer, saved.data.max_length, "--answers")
     out = {"accepted": [], "chains": [], "ids": [e.id for e in examples]}
     acc = MetricAccumulator()
     with torch.no_grad():
         for i, ex in enumerate(examples):
-            batch = D.collate([ex], _pad_id(target)).to(device)
+            batch = D.collate([ex], pad_id(target)).to(device)
             res = next(arms_micro_step([arm], target, batch, [step_generator(cfg.train.seed, -1, i, 0, device)]))
             chains = res.metrics.chain_accepted
             out["accepted"].append(float(chains.sum()))

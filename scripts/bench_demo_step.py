@@ -42,13 +42,13 @@ from vatspec.data import BatchIterator
 from vatspec.demo import ARMS, SIZES, arm_configs
 from vatspec.drafters import plan_batch
 from vatspec.features import CachedTarget, FeatureCache
+from vatspec.precision import precision_context
 from vatspec.target import open_target, vatspec_home
 from vatspec.train import (
     MIN_SUPERVISED,
-    _build_arm,
-    _pad_id,
     arm_step,
-    precision_context,
+    build_arm,
+    pad_id,
     shared_target_pass,
     step_generator,
 )
@@ -81,7 +81,7 @@ def main() -> None:
     counts = D.token_counts(examples, target.vocab_size)
     modes = MODES[args.compare]
     runs = Path(tempfile.mkdtemp()) / "runs"
-    arms = {m: [_build_arm(c, target, counts, 100, 1, target.device, None)
+    arms = {m: [build_arm(c, target, counts, 100, device=target.device)
                 for c in arm_configs(list(ARMS), dataclasses.replace(size, optim=optim, precision=precision), data,
                                      runs)]
             for m, (_, precision, optim, _) in modes.items()}
@@ -90,7 +90,7 @@ def main() -> None:
                for p, q in zip(a.model.parameters(), b.model.parameters()))
     # the same batches (same seed) with the answers supervised, or every position (data.loss_on)
     batches = {on: BatchIterator([e.supervise_all() for e in examples] if on == "all" else examples,
-                                 size.batch_size, _pad_id(target), seed=0) for on in ("assistant", "all")}
+                                 size.batch_size, pad_id(target), seed=0) for on in ("assistant", "all")}
     times: dict[str, list[float]] = {m: [] for m in modes}
     for step in range(1 + args.steps):  # step 0 warms up
         batch_of = {on: next(it) for on, it in batches.items()}

@@ -27,7 +27,7 @@ from vatspec.demo import ARMS, SIZES, arm_configs
 from vatspec.drafters import plan_batch
 from vatspec.features import CachedTarget, FeatureCache, config_layer_ids, drafter_layer_ids, write_cache
 from vatspec.target import open_target, vatspec_home
-from vatspec.train import _build_arm, _pad_id, _tokenize, arm_step, shared_target_pass, step_generator
+from vatspec.train import arm_step, build_arm, pad_id, shared_target_pass, step_generator, tokenize_items
 
 
 def demo_corpus(target, size) -> tuple[Path, str]:
@@ -69,8 +69,8 @@ def step_times(target, cached, cfgs, examples, steps: int, warmup: int) -> dict:
     from vatspec.data import BatchIterator
 
     counts = D.token_counts(examples, target.vocab_size)
-    arms = [_build_arm(c, target, counts, steps + warmup, 1, target.device, None) for c in cfgs]
-    batches = BatchIterator(examples, cfgs[0].data.batch_size, _pad_id(target), seed=0)
+    arms = [build_arm(c, target, counts, steps + warmup, device=target.device) for c in cfgs]
+    batches = BatchIterator(examples, cfgs[0].data.batch_size, pad_id(target), seed=0)
     times: dict[str, list[float]] = {"online": [], "cached": [], "online_target": [], "cached_target": []}
     for step in range(warmup + steps):
         batch = next(batches)
@@ -140,7 +140,7 @@ def main() -> None:
         print(f"  {name:<24} layers {str(layers):<16} " + "  ".join(f"{dt} {v:6.0f}" for dt, v in per[name].items()))
 
     # 3. step time, online vs cached (the demo's float32 cache), same batches
-    examples = _tokenize(convs, target.tokenizer, size.max_length, str(data))
+    examples = tokenize_items(convs, target.tokenizer, size.max_length, str(data))
     cached = CachedTarget(target, [FeatureCache(tmp / "demo-float32")])
     runs = {"eagle3 + VAT": [c for n, c in zip(names, cfgs) if n == "EAGLE-3 + VAT"],
             "dflash + VAT": [c for n, c in zip(names, cfgs) if n == "DFlash + VAT"],

@@ -25,7 +25,7 @@ from vatspec import data as D
 from vatspec.config import load_config
 from vatspec.drafters import plan_batch
 from vatspec.target import open_target
-from vatspec.train import _build_arm, _pad_id, _tokenize, arm_step, shared_target_pass, step_generator
+from vatspec.train import arm_step, build_arm, pad_id, shared_target_pass, step_generator, tokenize_items
 
 
 def main() -> None:
@@ -61,11 +61,11 @@ def main() -> None:
               f"drafter.block_size={args.block_size}", f"drafter.num_anchors={args.anchors}"]
     kinds = [k for k in args.kinds.split(",") if k and k != baseline]
     cfgs = {k: load_config(None, [*common, f"loss.kind={k}", f"train.out_dir={tmp / k}"]) for k in (baseline, *kinds)}
-    examples = _tokenize(D.load_conversations(data), target.tokenizer, args.max_length, data)
+    examples = tokenize_items(D.load_conversations(data), target.tokenizer, args.max_length, data)
     counts = D.token_counts(examples, target.vocab_size)
     total = args.steps + args.warmup
-    arms = {k: _build_arm(c, target, counts, total, 1, target.device, None) for k, c in cfgs.items()}
-    pad = _pad_id(target)
+    arms = {k: build_arm(c, target, counts, total, device=target.device) for k, c in cfgs.items()}
+    pad = pad_id(target)
     batches = [D.collate(examples[i : i + args.batch_size], pad)
                for i in range(0, args.batch_size * total, args.batch_size)]
 

@@ -42,7 +42,7 @@ def build(args):
     from vatspec.data import Batch
     from vatspec.drafters import plan_batch
     from vatspec.target import Target, open_target
-    from vatspec.train import _build_arm, arm_step, shared_target_pass, step_generator
+    from vatspec.train import arm_step, build_arm, shared_target_pass, step_generator
 
     torch.manual_seed(0)
     if args.target:
@@ -68,7 +68,7 @@ def build(args):
             f"drafter.ttt_steps={args.ttt_steps}",
             f"drafter.block_size={args.block_size}", f"drafter.num_anchors={args.anchors}",
             f"drafter.draft_vocab_size={args.draft_vocab}", f"train.out_dir={tempfile.mkdtemp()}"])
-        arm = _build_arm(cfg, target, counts, 10, 1, torch.device("cpu"), None)
+        arm = build_arm(cfg, target, counts, 10, device=torch.device("cpu"))
 
         def step(i: int) -> tuple[float, float, float]:
             gen = step_generator(0, i, 0, 0)

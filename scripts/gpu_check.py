@@ -36,8 +36,9 @@ from vatspec.decode import generate
 from vatspec.drafters import build_drafter, plan_batch
 from vatspec.features.format import atomic_write
 from vatspec.optim import build_optimizer
+from vatspec.precision import precision_context
 from vatspec.target import Target
-from vatspec.train import TrainModule, arm_step, precision_context, shared_target_pass, step_generator
+from vatspec.train import TrainModule, arm_step, shared_target_pass, step_generator
 
 # (name, transformers config class, fields): the published 8B geometries; weights are random
 TARGETS = {

@@ -11,7 +11,7 @@ import torch
 from tests.conftest import COUNT_CONVS, load_script, tiny_llama
 from vatspec import data as D
 from vatspec.config import load_config
-from vatspec.train import CHAINS_KEY, _build_arm, _tokenize, evaluate_arms, train
+from vatspec.train import CHAINS_KEY, build_arm, evaluate_arms, tokenize_items, train
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +56,8 @@ def test_per_prompt_chains_add_up_to_the_training_evaluation(setup):
     assert len(r["accepted"]) == len(r["chains"]) == len(convs) and all(c > 0 for c in r["chains"])
     # the same draft through training's own held-out evaluation, all prompts in one batch
     cfg = load_config(run / "config.yaml", ["train.out_dir=unused", "loss.kind=eagle3"])
-    arm = _build_arm(cfg, target, None, 1, 1, torch.device("cpu"), str(run))
-    ex = _tokenize(convs, target.tokenizer, cfg.data.max_length, "answers")
+    arm = build_arm(cfg, target, None, 1, device=torch.device("cpu"), init_from=str(run))
+    ex = tokenize_items(convs, target.tokenizer, cfg.data.max_length, "answers")
     chains = evaluate_arms([arm], target, ex, cfg, torch.device("cpu"))[0][CHAINS_KEY]
     assert sum(r["chains"]) == len(chains)
     assert mod.tau(r) == pytest.approx(1 + sum(chains) / len(chains), abs=1e-9)

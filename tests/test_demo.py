@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from vatspec.demo import ARMS, SIZES, DemoError, redecode_demo, run_ablation, run_demo
-from vatspec.train import native_bf16
+from vatspec.precision import native_bf16
 
 pytestmark = pytest.mark.slow
 

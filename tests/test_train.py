@@ -81,7 +81,7 @@ def test_sampled_verification_gets_a_generator_on_the_training_device(
     """loss.verify=sampled draws with the step generator: it must be made on the device the batch and
     logits live on (CUDA refuses a CPU generator). On a CPU-only machine the spies check that the loop
     asks for the training device; on a GPU machine the run itself is the check."""
-    import vatspec.train as T
+    import vatspec.train.arms as T  # where the loop looks its pieces up
 
     asked, seen = [], []
     real_gen, real_verify = T.step_generator, T.simulate_verification
@@ -154,7 +154,7 @@ def test_loss_on_all_trains_every_position_and_scores_the_answers(tiny_target_di
                                                                    kind):
     """data.loss_on=all: training batches supervise every real position after the first; the held-out split is
     still scored on the answer tokens, and the draft vocabulary is still counted on them."""
-    import vatspec.train as T
+    import vatspec.train.arms as T  # where the loop looks its pieces up
 
     seen: dict[str, list] = {"train": [], "held": []}
     step, evaluate = T.arm_step, T.evaluate_arms
@@ -197,7 +197,7 @@ def test_loss_on_all_trains_every_position_and_scores_the_answers(tiny_target_di
 def test_feature_noise_reaches_training_steps_only(tiny_target_dir, data_file, tmp_path, monkeypatch, kind):
     """train.feature_noise: an arm's training steps read noisy features, its held-out evaluation the clean
     ones (equal to a clean arm's in the same lockstep); a noisy run resumes exactly."""
-    import vatspec.train as T
+    import vatspec.train.arms as T  # where the loop looks its pieces up
 
     seen: list[tuple[str, bool, torch.Tensor]] = []
     step = T.arm_step
@@ -206,7 +206,7 @@ def test_feature_noise_reaches_training_steps_only(tiny_target_dir, data_file, t
         seen.append((Path(model.cfg_dir).name, model.training, tout.features.clone()))
         return step(model, drafter, batch, tout, *a, **kw)
 
-    build = T._build_arm
+    build = T.build_arm
 
     def tag(cfg, *a, **kw):  # name each arm's module, so the spy knows whose step it sees
         arm = build(cfg, *a, **kw)
@@ -214,7 +214,7 @@ def test_feature_noise_reaches_training_steps_only(tiny_target_dir, data_file, t
         return arm
 
     monkeypatch.setattr(T, "arm_step", spy_step)
-    monkeypatch.setattr(T, "_build_arm", tag)
+    monkeypatch.setattr(T, "build_arm", tag)
     arm = [f"drafter.kind={kind}", "loss.kind=vat", "train.save_every=2"]
     cfgs = [_cfg(tiny_target_dir, data_file, tmp_path / name, *arm, f"train.feature_noise={s}")
             for name, s in (("clean", 0), ("noisy", 0.3))]
@@ -240,17 +240,17 @@ OBJECTIVES = ("kl", "tv", "lk", "dpace", "specauf", "dspark")
 def test_lockstep_objectives_share_batches_and_initialisation(tiny_target_dir, data_file, tmp_path, monkeypatch, kind):
     """Every objective arm of `vatspec ablate --arms` starts from the same weights as the drafter's baseline
     and sees the same batches: its losses in lockstep equal its run alone."""
-    import vatspec.train as T
+    import vatspec.train.arms as T  # where the loop looks its pieces up
 
     init = {}
-    build = T._build_arm
+    build = T.build_arm
 
     def spy(cfg, *a, **kw):
         arm = build(cfg, *a, **kw)
         init[cfg.loss.kind] = {n: p.detach().clone() for n, p in arm.drafter.named_parameters()}
         return arm
 
-    monkeypatch.setattr(T, "_build_arm", spy)
+    monkeypatch.setattr(T, "build_arm", spy)
     arms = [kind, *OBJECTIVES]
     cfgs = [_cfg(tiny_target_dir, data_file, tmp_path / a, f"drafter.kind={kind}", f"loss.kind={a}") for a in arms]
     finals = train_arms(cfgs, progress=False)
@@ -300,15 +300,16 @@ def test_ddp_two_cpu_processes_hold_identical_weights(tiny_target_dir, data_file
         "import os, sys, torch, torch.distributed as dist\n"
         "from vatspec.config import load_config\n"
         "import vatspec.train as T\n"
+        "import vatspec.train.arms as A\n"
         "cfg = load_config(None, sys.argv[2:])\n"
         "captured = {}\n"
-        "orig = T._build_arm\n"
+        "orig = A.build_arm\n"
         "def spy(*a, **k):\n"
         "    arm = orig(*a, **k); captured['arm'] = arm\n"
         "    init = {n: p.detach().clone() for n, p in arm.module.named_parameters()}\n"
         "    torch.save(init, sys.argv[1] + f'.init.{dist.get_rank()}')  # before any optimiser step\n"
         "    return arm\n"
-        "T._build_arm = spy\n"
+        "A.build_arm = spy\n"
         "T.train(cfg, progress=False)\n"
         "assert not dist.is_initialized()  # train destroys the group it started\n"
         "m = captured['arm'].module\n"

@@ -11,9 +11,7 @@ Layout of one checkpoint folder (``RUN/checkpoints/step-000100``)::
                           each tensor replaced by its key in trainer.safetensors
 
 Nothing in a checkpoint is unpickled: a run folder received from someone else runs no code when
-it is resumed. A checkpoint of an older version holds a pickled ``trainer.pt`` instead; it is
-refused unless the caller says it trusts the folder (``trust_pickle``), and even then it is read
-with torch's restricted ``weights_only`` unpickler.
+it is resumed.
 
 A checkpoint is first written to ``step-XXXXXX.tmp-PID`` and renamed when complete; ``RUN/latest``
 (replaced atomically) names the newest one. A killed run leaves at worst a ``.tmp-*`` folder,
@@ -185,39 +183,16 @@ def saved_config(path: str | Path):
         raise CheckpointError(str(e)) from e
 
 
-def load_trainer_state(ckpt: Path, *, trust_pickle: bool = False) -> dict:
-    """The trainer state saved in checkpoint ``ckpt`` (``trainer.json`` + ``trainer.safetensors``).
-
-    An older checkpoint's pickled ``trainer.pt`` is a ``CheckpointError`` unless ``trust_pickle``;
-    then it is read by torch's ``weights_only`` unpickler (tensors, containers and numpy's RNG
-    arrays only: no code from the file runs)."""
+def load_trainer_state(ckpt: Path) -> dict:
+    """The trainer state saved in checkpoint ``ckpt`` (``trainer.json`` + ``trainer.safetensors``)."""
     meta, tensors = ckpt / "trainer.json", ckpt / "trainer.safetensors"
-    legacy = ckpt / "trainer.pt"
-    if meta.is_file():
-        try:
-            tree = json.loads(meta.read_text(encoding="utf-8"))
-            return _decode(tree, load_file(tensors) if tensors.is_file() else {}, str(meta))
-        except (OSError, ValueError, SafetensorError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{meta}: unreadable trainer state ({e}); cannot resume from {ckpt}") from e
-    if legacy.is_file():
-        if not trust_pickle:
-            raise CheckpointError(f"{legacy}: a pickled trainer state (written by an older vatspec); unpickling "
-                                  "can run code from the file, so it is not read. If you trust this folder, "
-                                  "resume with --trust-pickle")
-        return _load_legacy(legacy)
-    raise CheckpointError(f"{meta} is missing: cannot resume from {ckpt}")
-
-
-def _load_legacy(path: Path) -> dict:
-    # numpy's RNG state is the only non-torch object a trainer.pt held
-    core = np._core if hasattr(np, "_core") else np.core  # numpy 2 renamed it
-    allowed = [np.ndarray, np.dtype, type(np.dtype(np.uint32)), core.multiarray._reconstruct]
+    if not meta.is_file():
+        raise CheckpointError(f"{meta} is missing: cannot resume from {ckpt}")
     try:
-        with torch.serialization.safe_globals(allowed):
-            return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # the restricted unpickler refused it, or the file is damaged
-        raise CheckpointError(f"{path}: not a plain trainer state, refused even with --trust-pickle "
-                              f"({str(e).splitlines()[0][:200]})") from None
+        tree = json.loads(meta.read_text(encoding="utf-8"))
+        return _decode(tree, load_file(tensors) if tensors.is_file() else {}, str(meta))
+    except (OSError, ValueError, SafetensorError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{meta}: unreadable trainer state ({e}); cannot resume from {ckpt}") from e
 
 
 # A trainer state is a tree of dicts, lists, tuples, numbers, strings, tensors and numpy arrays. It is

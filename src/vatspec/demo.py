@@ -215,8 +215,8 @@ def prepare_features(target, data_path: Path, cfgs, progress: bool = True) -> tu
 
 
 def train_precision(size: DemoSize) -> str:
-    """``size.precision``, "auto" resolved for the CPU the demo trains on (``train.native_bf16``)."""
-    from vatspec.train import native_bf16
+    """``size.precision``, "auto" resolved for the CPU the demo trains on (``precision.native_bf16``)."""
+    from vatspec.precision import native_bf16
 
     if size.precision == "auto":
         return "bf16" if native_bf16(torch.device("cpu")) else "fp32"

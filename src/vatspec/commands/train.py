@@ -25,9 +25,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="YAML file of overrides")
     parser.add_argument("--resume", action="store_true", help="continue the run in train.out_dir (a finished run: "
                                                               "nothing to do)")
-    parser.add_argument("--trust-pickle", action="store_true",
-                        help="--resume from a checkpoint of an older vatspec, whose trainer state is pickled "
-                             "(trainer.pt); only for a folder you trust")
     parser.add_argument("--resume-with-changes", action="store_true",
                         help="--resume with a config that computes otherwise than the checkpoint's (lr, data, steps, "
                              "...): the changes are recorded in RUN/config_history.jsonl")
@@ -51,11 +48,11 @@ def run(args: argparse.Namespace) -> int:
         if args.resume and args.init_from:
             raise TrainError("--resume continues a run from its own checkpoint; --init-from starts a new run from "
                              "another draft: give one of them")
-        if args.resume and (step := finished(cfg, trust_pickle=args.trust_pickle)) is not None:
+        if args.resume and (step := finished(cfg)) is not None:
             print(f"{cfg.train.out_dir}: the run finished at step {step}; nothing to resume")
             return 0
         metrics = train(cfg, resume=args.resume, init_from=args.init_from, progress=not args.no_progress,
-                        trust_pickle=args.trust_pickle, with_changes=args.resume_with_changes)
+                        with_changes=args.resume_with_changes)
     except (ConfigError, TrainError, CheckpointError, DataError, TargetError, FeatureCacheError) as e:
         return report("train", e)
     stats_file = Path(cfg.train.out_dir) / "data_stats.json"

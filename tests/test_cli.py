@@ -90,19 +90,24 @@ def test_demo_redecode_refuses_a_size_and_needs_a_finished_demo(tmp_path, capsys
 
 
 def test_demo_sizes_full_and_seeds(capsys):
-    from vatspec.demo import SIZES
+    """--quick / --full pick the recipe (demo-quick, demo-full: the long recipe); the size flags change it."""
+    from vatspec.experiment import load_recipe
 
     mod = command_module("demo")
     parser = argparse.ArgumentParser()
     mod.configure(parser)
-    assert mod.size_of(parser.parse_args([])) == SIZES["default"]
-    full = mod.size_of(parser.parse_args(["--full"]))
-    assert full == SIZES["full"] and full.seeds == 4  # the long recipe reports a mean over 4 seeds
-    assert mod.size_of(parser.parse_args(["--quick", "--seeds", "2"])).seeds == 2
-    assert full.original_answers == 0  # 1,024 measured and not kept (docs/results.md, run 10)
-    assert mod.size_of(parser.parse_args(["--full", "--original-answers", "1024"])).original_answers == 1024
-    assert SIZES["default"].precision == "auto" and mod.size_of(parser.parse_args(["--precision", "fp32"])).precision \
-        == "fp32"
+
+    def size(*argv):
+        args = parser.parse_args(list(argv))
+        return load_recipe(args.recipe or mod.size_name(args), size=mod.size_changes(args)).size
+
+    assert size() == load_recipe("demo").size and size("--quick") == load_recipe("demo-quick").size
+    full = size("--full")
+    assert full.seeds == 4 and full.prompts == 512  # the long recipe reports a mean over 4 seeds
+    assert size("--quick", "--seeds", "2").seeds == 2
+    assert full.original_answers == 0
+    assert size("--full", "--original-answers", "1024").original_answers == 1024
+    assert size().precision == "auto" and size("--precision", "fp32").precision == "fp32"
     with pytest.raises(SystemExit):
         parser.parse_args(["--quick", "--full"])
     assert "not allowed with argument" in capsys.readouterr().err

@@ -12,8 +12,11 @@ import math
 import pytest
 import torch
 
-from vatspec.demo import ARMS, SIZES, DemoError, redecode_demo, run_ablation, run_demo
+from vatspec.experiment import ExperimentError, load_recipe, recipe_size, redecode, run
 from vatspec.precision import native_bf16
+
+QUICK = load_recipe("demo-quick")
+ARMS = QUICK.arms
 
 pytestmark = pytest.mark.slow
 
@@ -24,8 +27,8 @@ def _finite(x) -> bool:
 
 def test_quick_demo_writes_a_complete_report(tmp_path):
     out = tmp_path / "demo"
-    size = SIZES["quick"]
-    run_demo(out, size, progress=False)
+    size = QUICK.size
+    run(QUICK, out, progress=False)
 
     for f in ["report.md", "demo.json", "training_curves.png", "eval/results.json", "eval/results.md",
               "eval/tau.png", "eval/acceptance.png", *(f"config-{n}.yaml" for n in
@@ -91,14 +94,15 @@ def test_quick_demo_writes_a_complete_report(tmp_path):
 
 def test_demo_refuses_a_foreign_folder(tmp_path):
     (tmp_path / "keep.txt").write_text("mine")
-    with pytest.raises(DemoError, match="not made by vatspec demo"):
-        run_demo(tmp_path, SIZES["quick"], progress=False)
+    with pytest.raises(ExperimentError, match="not made by vatspec demo"):
+        run(QUICK, tmp_path, progress=False)
     assert (tmp_path / "keep.txt").read_text() == "mine"
 
 
 def test_ablation_table(tmp_path):
-    size = dataclasses.replace(SIZES["quick"], steps=2, eval_every=2)
-    res = run_ablation(tmp_path / "ab", size, "dflash", progress=False)
+    recipe = load_recipe("ablation", drafter="dflash", size={**recipe_size("demo-quick"), "steps": 2, "eval_every": 2})
+    run(recipe, tmp_path / "ab", progress=False)
+    res = json.loads((tmp_path / "ab" / "ablation.json").read_text())
     assert list(res) == ["baseline", "head only", "adaptive weights only", "soft+hard only", "all three (VAT)"]
     table = (tmp_path / "ab" / "ablation.md").read_text()
     for name in res:
@@ -113,8 +117,8 @@ def test_seeds_report_the_vat_difference_across_seeds(tmp_path):
     """--seeds N (the long recipe's 3): every arm trained per seed, decoded, and each VAT arm's per-seed
     paired differences summarised by their mean and t-interval."""
     out = tmp_path / "demo"
-    size = dataclasses.replace(SIZES["quick"], steps=2, eval_every=2, seeds=2, benches=("gsm8k",))
-    data = run_demo(out, size, progress=False)
+    recipe = load_recipe("demo-quick", size={"steps": 2, "eval_every": 2, "seeds": 2, "benches": ["gsm8k"]})
+    data = run(recipe, out, progress=False)
 
     names = [f"{arm} (seed {s})" for s in (0, 1) for arm in ARMS]
     assert set(data["train_final"]) == set(names)
@@ -138,7 +142,7 @@ def test_seeds_report_the_vat_difference_across_seeds(tmp_path):
 
     # --redecode: steps 4-5 again on the same drafts; training figures and checkpoints untouched
     ckpts = {p: p.read_bytes() for p in (out / "runs").rglob("*.safetensors")}
-    again = redecode_demo(out, progress=False)
+    again = redecode(out, progress=False)
     assert ckpts and all(p.read_bytes() == b for p, b in ckpts.items())
     for key in ("train_final", "train_paired", "regeneration", "features"):
         assert again[key] == json.loads(json.dumps(data[key], default=float)), key
@@ -150,14 +154,14 @@ def test_seeds_report_the_vat_difference_across_seeds(tmp_path):
 
 
 def test_redecode_needs_a_finished_demo(tmp_path):
-    with pytest.raises(DemoError, match="demo.json: not the record of a finished demo"):
-        redecode_demo(tmp_path, progress=False)
+    with pytest.raises(ExperimentError, match="demo.json: not the record of a finished demo"):
+        redecode(tmp_path, progress=False)
 
 
 def test_original_answers_follow_the_regenerated_set(tmp_path):
     from vatspec import data as D
     from vatspec.benchmarks import prepare_prompts
-    from vatspec.demo import add_original_answers
+    from vatspec.experiment import add_original_answers
 
     # a "regenerated" set of the first four conversations the original answers draw: each must be skipped
     drawn = prepare_prompts(4, seed=1, sources=("sharegpt",), max_turns=1, max_chars=600, answers=True)
@@ -166,7 +170,7 @@ def test_original_answers_follow_the_regenerated_set(tmp_path):
         *(m for m in c.messages if m["role"] != "assistant"), {"role": "assistant", "content": "an answer"}]}) + "\n"
         for c in drawn))
     regen = D.load_conversations(regen_path)
-    size = dataclasses.replace(SIZES["quick"], prompts=4, seed=0, original_answers=6)
+    size = dataclasses.replace(QUICK.size, prompts=4, seed=0, original_answers=6)
     out, info = add_original_answers(regen_path, size)
     convs = D.load_conversations(out)
     assert info["regenerated"] == 4 and info["original_answers"] == 6 and len(convs) == 10
@@ -177,5 +181,5 @@ def test_original_answers_follow_the_regenerated_set(tmp_path):
     assert all(c.has_assistant for c in extra) and len({c.id for c in extra}) == 6
     stamp = out.stat().st_mtime_ns
     assert add_original_answers(regen_path, size)[0] == out and out.stat().st_mtime_ns == stamp  # unchanged
-    with pytest.raises(DemoError, match="regen.jsonl: 4 conversations, not the 5"):
+    with pytest.raises(ExperimentError, match="regen.jsonl: 4 conversations, not the 5"):
         add_original_answers(regen_path, dataclasses.replace(size, prompts=5))

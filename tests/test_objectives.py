@@ -298,7 +298,7 @@ def test_compositions_load_from_the_command_line():
 
 def test_arms_parsing_and_a_bad_arm_is_one_clear_error(capsys, tmp_path):
     from vatspec.cli import main
-    from vatspec.objectives import parse_arms, with_baseline
+    from vatspec.commands.ablate import parse_arms, with_baseline
 
     assert parse_arms("vat, kl,dspark") == ["vat", "kl", "dspark"]
     assert with_baseline(["vat", "kl"], "eagle3") == ["eagle3", "vat", "kl"]
@@ -319,17 +319,16 @@ def test_arms_parsing_and_a_bad_arm_is_one_clear_error(capsys, tmp_path):
 def test_quick_objectives_run_reports_every_arm(tmp_path):
     """Two new objectives beside the DFlash baseline at a tiny size: trained in lockstep, decoded, and
     reported with paired intervals for training and decoding, and a plot (~40 s on one thread)."""
-    import dataclasses
     import json
 
     import yaml
 
-    from vatspec.demo import SIZES
-    from vatspec.objectives import run_objectives
+    from vatspec.experiment import load_recipe, recipe_size, run
 
-    size = dataclasses.replace(SIZES["quick"], steps=2, eval_every=2, benches=("gsm8k",), eval_tokens=16)
+    size = {**recipe_size("demo-quick"), "steps": 2, "eval_every": 2, "benches": ["gsm8k"], "eval_tokens": 16}
+    recipe = load_recipe("objectives", drafter="dflash", arms=["dflash", "lk", "specauf"], size=size)
     out = tmp_path / "ab"
-    summary = run_objectives(out, size, "dflash", ["lk", "specauf"], threads=1, progress=False)
+    summary = run(recipe, out, threads=1, progress=False)
     assert list(summary["arms"]) == ["dflash", "lk", "specauf"] and summary["baseline"] == "dflash"
     for arm, row in summary["arms"].items():
         assert row["tau_sim"] >= 1.0 and row["decode_tau"] >= 1.0, arm

@@ -1,7 +1,7 @@
 """``vatspec ablate``: the paper's ablation on one drafter (baseline, each VAT part alone, all three),
-same data and seed (``vatspec.demo.run_ablation``), printed and written as a table; or, with ``--arms``,
-draft objectives (loss kinds) side by side on identical batches, trained and decoded
-(``vatspec.objectives.run_objectives``).
+same data and seed (the recipe ``ablation``), printed and written as a table; or, with ``--arms``, draft
+objectives (loss kinds) side by side on identical batches, trained and decoded (the recipe
+``objectives``). Both run at the demo's size (``--quick``, ``--full``: the long recipe's, one seed).
 
     vatspec ablate --drafter dflash [--quick] [--out reports/ablate]
     vatspec ablate --drafter eagle3 --arms vat,kl,tv,lk,dpace,specauf,dspark [--out reports/ablate-e3]
@@ -10,13 +10,14 @@ draft objectives (loss kinds) side by side on identical batches, trained and dec
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from pathlib import Path
 
+from vatspec import experiment
+from vatspec import report as R
 from vatspec.commands import demo, report
-from vatspec.demo import DemoError, ablation_table, run_ablation
 from vatspec.drafters import DRAFTERS
-from vatspec.losses import KINDS
+from vatspec.experiment import ExperimentError, load_recipe, recipe_size
+from vatspec.losses import BASELINE, KINDS
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -28,10 +29,29 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         "drafter's baseline kind is always added. Default: the paper's VAT ablation")
 
 
-def arms_arg(value: str) -> list[str]:
-    """argparse ``type=`` for ``--arms``: comma-separated loss kinds (``objectives.parse_arms``)."""
-    from vatspec.objectives import parse_arms
+def parse_arms(text: str) -> list[str]:
+    """``"vat,kl,tv"`` -> ``["vat", "kl", "tv"]``: loss kinds, each once. A name that is not a kind is a
+    ValueError naming it and the choices."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise ValueError(f"no arm named; choose from {', '.join(KINDS)}")
+    for n in names:
+        if n not in KINDS:
+            raise ValueError(f"unknown arm {n!r}; choose from {', '.join(KINDS)}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"an arm is named twice in {text!r}")
+    return names
 
+
+def with_baseline(arms: list[str], drafter: str) -> list[str]:
+    """The arms with the drafter's baseline kind first (added when missing): the differences are from it.
+    eagle3 drafter, [vat, kl] -> [eagle3, vat, kl]."""
+    base = BASELINE[drafter]
+    return [base, *(a for a in arms if a != base)]
+
+
+def arms_arg(value: str) -> list[str]:
+    """argparse ``type=`` for ``--arms``."""
     try:
         return parse_arms(value)
     except ValueError as e:
@@ -40,22 +60,21 @@ def arms_arg(value: str) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     if (args.seeds or 1) > 1:
-        return report("ablate", DemoError(f"--seeds {args.seeds}: the ablation trains one seed (its arms share it); "
-                                          "several seeds are `vatspec demo --seeds N`"))
-    size = dataclasses.replace(demo.size_of(args), seeds=1)  # --full: the long recipe's size, one seed
+        return report("ablate", ExperimentError(f"--seeds {args.seeds}: the ablation trains one seed (its arms "
+                                                "share it); several seeds are `vatspec demo --seeds N`"))
+    demo.show_steps("ablate")
+    size = {**recipe_size(demo.size_name(args)), **demo.size_changes(args), "seeds": 1}
     try:
         if args.arms:
-            from vatspec.objectives import objectives_table, run_objectives, verdicts
-
-            demo.show_steps("ablate")
-            summary = run_objectives(Path(args.out), size, args.drafter, args.arms,
-                                     threads=args.threads, progress=not args.no_progress)
-            print(objectives_table(summary))
-            print("\n".join(verdicts(summary)))
+            recipe = load_recipe(args.recipe or "objectives", drafter=args.drafter,
+                                 arms=with_baseline(args.arms, args.drafter), size=size)
+            summary = experiment.run(recipe, Path(args.out), threads=args.threads, progress=not args.no_progress)
+            print(R.objectives_table(summary))
+            print("\n".join(R.verdicts(summary)))
             return 0
-        results = run_ablation(Path(args.out), size, args.drafter, threads=args.threads,
-                               progress=not args.no_progress)
-    except DemoError as e:
+        recipe = load_recipe(args.recipe or "ablation", drafter=args.drafter, size=size)
+        summary = experiment.run(recipe, Path(args.out), threads=args.threads, progress=not args.no_progress)
+    except ExperimentError as e:
         return report("ablate", e)
-    print(ablation_table(results))
+    print(R.ablation_table(R.ablation_rows(summary)))
     return 0

@@ -1,28 +1,34 @@
-"""``vatspec demo``: baselines vs VAT for both drafters on the embedded default target
-(``vatspec.demo.run_demo``), written as a report folder.
+"""``vatspec demo``: baselines vs VAT for both drafters on the embedded default target, written as a
+report folder: the recipe ``demo`` (``--quick``: ``demo-quick``; ``--full``: ``demo-full``, the long
+recipe) run by ``vatspec.experiment.run``; ``--recipe`` runs any other experiment recipe.
 
     vatspec demo [--quick | --full] [--seeds N] [--original-answers N] [--out reports/demo]
+    vatspec demo --recipe recipes/experiments/my-arms.yaml --out reports/mine
     vatspec demo --redecode [--out reports/demo]     # steps 4-5 again on its trained drafts
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import sys
 from pathlib import Path
 
+from vatspec import experiment
 from vatspec.commands import int_arg, report
-from vatspec.demo import SIZES, DemoError, DemoSize, redecode_demo, run_demo
+from vatspec.experiment import ExperimentError, load_recipe
+
+SIZE_FLAGS = ("steps", "prompts", "eval_prompts", "seeds", "original_answers", "precision")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    size, full = parser.add_mutually_exclusive_group(), SIZES["full"]
-    size.add_argument("--quick", action="store_true", help="the ~3-minute smoke size (CI runs it)")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="the ~3-minute smoke size (recipe demo-quick; CI runs it)")
     size.add_argument("--full", action="store_true",
-                      help=f"the long recipe: {full.prompts} conversations, {full.steps} steps of {full.batch_size} "
-                           f"sequences, {full.seeds} seeds per arm (<= 2 h on 2 cores)")
+                      help="the long recipe (demo-full): 512 conversations, 400 steps, 4 seeds per arm (<= 2 h on "
+                           "2 cores)")
+    parser.add_argument("--recipe", help="an experiment recipe: a YAML file, or a name in recipes/experiments "
+                                         "(default: demo, demo-quick with --quick, demo-full with --full)")
     parser.add_argument("--out", default="reports/demo", help="report folder (default: reports/demo)")
     parser.add_argument("--steps", type=int_arg(1),
                         help="override the number of training steps (at a batch of 4; a drafter kind trained at "
@@ -47,35 +53,35 @@ def run(args: argparse.Namespace) -> int:
     show_steps("demo")
     try:
         if args.redecode:
-            sized = [f"--{f.replace('_', '-')}" for f in ("quick", "full", "steps", "prompts", "eval_prompts", "seeds",
-                                                          "original_answers", "precision")
+            sized = [f"--{f.replace('_', '-')}" for f in ("quick", "full", "recipe", *SIZE_FLAGS)
                      if getattr(args, f) not in (None, False)]
             if sized:
-                raise DemoError(f"--redecode decodes the demo in --out at its recorded size: drop {' '.join(sized)}")
-            redecode_demo(Path(args.out), threads=args.threads, progress=not args.no_progress)
+                raise ExperimentError(f"--redecode decodes the demo in --out at its recorded size: drop "
+                                      f"{' '.join(sized)}")
+            experiment.redecode(Path(args.out), threads=args.threads, progress=not args.no_progress)
         else:
-            run_demo(Path(args.out), size_of(args), threads=args.threads, progress=not args.no_progress)
-    except DemoError as e:
+            recipe = load_recipe(args.recipe or size_name(args), size=size_changes(args))
+            experiment.run(recipe, Path(args.out), threads=args.threads, progress=not args.no_progress)
+    except ExperimentError as e:
         return report("demo", e)
     return 0
 
 
-def size_of(args: argparse.Namespace) -> DemoSize:
-    """``--quick`` / ``--full`` pick the size; ``--steps``, ``--prompts``, ``--eval-prompts``, ``--seeds``,
-    ``--original-answers``, ``--precision`` override it."""
-    size = SIZES["quick" if args.quick else "full" if args.full else "default"]
-    changes = {k: v for k, v in (("steps", args.steps), ("prompts", args.prompts),
-                                 ("eval_prompts", args.eval_prompts), ("seeds", args.seeds),
-                                 ("original_answers", args.original_answers), ("precision", args.precision))
-               if v is not None}
-    return dataclasses.replace(size, **changes)
+def size_name(args: argparse.Namespace) -> str:
+    """The recipe whose size ``--quick`` / ``--full`` pick."""
+    return "demo-quick" if args.quick else "demo-full" if args.full else "demo"
+
+
+def size_changes(args: argparse.Namespace) -> dict:
+    """``--steps``, ``--prompts``, ``--eval-prompts``, ``--seeds``, ``--original-answers``, ``--precision``."""
+    return {f: getattr(args, f) for f in SIZE_FLAGS if getattr(args, f) is not None}
 
 
 def show_steps(command: str) -> None:
-    """Print the demo's step log (``vatspec.demo``) on stderr as ``[vatspec COMMAND HH:MM:SS] ...``."""
+    """Print the runner's step log (``vatspec.experiment``) on stderr as ``[vatspec COMMAND HH:MM:SS] ...``."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter(f"[vatspec {command} %(asctime)s] %(message)s", "%H:%M:%S"))
-    logger = logging.getLogger("vatspec.demo")
+    logger = logging.getLogger("vatspec.experiment")
     logger.handlers[:] = [handler]
     logger.setLevel(logging.INFO)
     logger.propagate = False

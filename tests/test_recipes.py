@@ -1,0 +1,47 @@
+"""Every experiment recipe (recipes/experiments) loads and builds a config per arm: a typo in a recipe
+fails here, not after a regeneration."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from vatspec.experiment import ExperimentError, arm_configs, load_recipe, recipe_dir
+
+RECIPES = sorted(p.stem for p in recipe_dir().glob("*.yaml"))
+
+
+def test_the_recipes_are_found():
+    assert {"demo", "demo-quick", "demo-full", "ablation", "objectives"} <= set(RECIPES)
+
+
+@pytest.mark.parametrize("name", RECIPES)
+@pytest.mark.parametrize("drafter", ["eagle3", "dflash"])
+def test_each_recipe_builds_a_config_per_arm(name, drafter, tmp_path):
+    recipe = load_recipe(name, drafter=drafter, arms=[drafter, "vat", "kl"])
+    cfgs = arm_configs(recipe.arms, recipe.size, tmp_path / "data.jsonl", tmp_path / "runs")
+    assert [Path(c.train.out_dir).parent for c in cfgs] == [tmp_path / "runs"] * len(recipe.arms)
+    assert set(recipe.pairs) <= set(recipe.arms) and set(recipe.pairs.values()) <= set(recipe.arms)
+    for c in cfgs:
+        assert c.train.steps == recipe.size.steps_of(c.drafter.kind)
+
+
+def test_the_long_recipe_is_the_demo_at_a_larger_size():
+    demo, full = load_recipe("demo"), load_recipe("demo-full")
+    assert full.arms == demo.arms and full.pairs == demo.pairs
+    assert (full.size.prompts, full.size.steps, full.size.seeds) == (512, 400, 4)
+    assert full.size.optim == demo.size.optim and full.size.max_length == demo.size.max_length
+
+
+def test_a_bad_recipe_is_one_line_naming_the_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("arms:\n  a: [drafter.kind=eagle3]\npairs:\n  a: b\ndecode: sometimes\n")
+    with pytest.raises(ExperimentError, match=r"bad.yaml: decode 'sometimes' is not one of .*; pairs: a -> b"):
+        load_recipe(bad)
+    with pytest.raises(ExperimentError, match="nope: no such recipe file"):
+        load_recipe("nope")
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("base: " + str(recipe_dir() / "demo.yaml") + "\nsize:\n  stepz: 3\n")
+    with pytest.raises(ExperimentError, match="typo.yaml: size: .*stepz"):
+        load_recipe(typo)

@@ -1,6 +1,6 @@
 .PHONY: setup demo test lint
 setup:
-	@bash scripts/setup.sh
+	@bash tools/setup.sh
 
 demo: setup
 	.venv/bin/vatspec demo

@@ -9,18 +9,23 @@ from pathlib import Path
 import pytest
 import torch
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+ROOT = Path(__file__).resolve().parents[1]
+TOOLS, PERF, SCRIPTS = ROOT / "tools", ROOT / "perf", ROOT / "scripts"  # tools users run, benches, the rest
 
 
 def load_script(name: str):
-    """scripts/<name>.py as a module, imported as when run from scripts/ (so it finds its sibling scripts)."""
-    sys.path.insert(0, str(SCRIPTS))
+    """<name>.py of tools/, perf/ or scripts/ as a module, imported as when run from its folder (so it finds
+    the files beside it: a bench its ``timer``)."""
+    folder = next((d for d in (TOOLS, PERF, SCRIPTS) if (d / f"{name}.py").is_file()), None)
+    if folder is None:
+        raise FileNotFoundError(f"{name}.py: in none of tools/, perf/, scripts/")
+    sys.path.insert(0, str(folder))
     try:
-        spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+        spec = importlib.util.spec_from_file_location(name, folder / f"{name}.py")
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
     finally:
-        sys.path.remove(str(SCRIPTS))
+        sys.path.remove(str(folder))
     return mod
 
 

@@ -1,4 +1,4 @@
-"""scripts/gpu_check.py, the one GPU check, runs here on tiny shapes: the same code path (targets
+"""tools/gpu_check.py, the one GPU check, runs here on tiny shapes: the same code path (targets
 built in code, every arm's training step, decoding against HF generate, the JSON) as on a GPU."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tests.conftest import SCRIPTS, load_script
+from tests.conftest import TOOLS, load_script
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -27,7 +27,7 @@ def test_gpu_check_runs_on_tiny_shapes(tmp_path):
             assert (d["dtype"], d["prompts"], d["equal_to_hf_generate"], d["divergences"]) == ("float32", 1, 1, []), d
             assert "decode_fp32" not in arm  # the target trained in float32: that decode is the exact one
     assert t["eagle3_vat_over_baseline_step_time"] > 0 and t["dflash_vat_over_baseline_step_time"] > 0
-    assert (SCRIPTS / "gpu_check.sh").is_file()
+    assert (TOOLS / "gpu_check.sh").is_file()
 
 
 def test_gpu_check_bf16_decode_parts_only_at_ties_and_float32_is_exact(tmp_path):

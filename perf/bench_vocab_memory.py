@@ -2,14 +2,15 @@
 
 Memory: every ``loss.chunk_size`` runs one step in a fresh subprocess (peaks do not mix); its peak is
 ``ru_maxrss`` minus the RSS before the step (torch keeps no CPU allocator statistics). Time: one more
-subprocess runs every chunk size, alternating step by step after a warm-up step each, so a machine
-shared with other work slows them alike; the median of ``--steps`` steps (target forward, drafter
-forward, verification, loss, backward, optimiser step: ``train.arm_step`` as the loop runs it).
+subprocess runs every chunk size, the order rotating step by step after a warm-up step each
+(``timer.SideBySide``), so a machine shared with other work slows them alike; the median of ``--steps``
+steps (target forward, drafter forward, verification, loss, backward, optimiser step: ``train.arm_step`` as
+the loop runs it).
 The target is a random Llama built in code: vocabulary 152k (Qwen3's), hidden 64, 8 layers; or
 ``--target PATH`` for a real one (then the data are random ids of its vocabulary too).
 
-    .venv/bin/python scripts/bench_vocab_memory.py --chunks 0 64 256 1024   # DFlash 512x16, EAGLE-3 k=7 @ 2048
-    .venv/bin/python scripts/bench_vocab_memory.py --target ~/.cache/vatspec/targets/gemma-3-270m \\
+    .venv/bin/python perf/bench_vocab_memory.py --chunks 0 64 256 1024   # DFlash 512x16, EAGLE-3 k=7 @ 2048
+    .venv/bin/python perf/bench_vocab_memory.py --target ~/.cache/vatspec/targets/gemma-3-270m \\
         --length 1024 --anchors 128 --chunks 0 64 256                        # after scripts/gemma3_270m.py
 """
 
@@ -19,11 +20,10 @@ import argparse
 import json
 import os
 import resource
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
+from contextlib import nullcontext
 from pathlib import Path
 
 VOCAB, HIDDEN, LAYERS = 151_936, 64, 8  # Qwen3's vocabulary; a tiny body so the vocabulary dominates
@@ -70,18 +70,19 @@ def build(args):
             f"drafter.draft_vocab_size={args.draft_vocab}", f"train.out_dir={tempfile.mkdtemp()}"])
         arm = build_arm(cfg, target, counts, 10, device=torch.device("cpu"))
 
-        def step(i: int) -> tuple[float, float, float]:
+        def step(i: int, timer=None) -> float:
+            """Step ``i``; with a ``timer.SideBySide``, timed whole as ``str(chunk)`` and its drafter part
+            (everything after the target pass) as ``f"{chunk} drafter"``. Returns the loss."""
             gen = step_generator(0, i, 0, 0)
             plan = plan_batch(arm.drafter, batch, cfg.drafter, gen, with_logits=not chunk)
-            t0 = time.perf_counter()
-            tout = shared_target_pass(target, batch, [arm.drafter], [plan])[0]
-            t1 = time.perf_counter()
-            arm.opt.zero_grad(set_to_none=True)
-            res = arm_step(arm.model, arm.drafter, batch, tout, plan, arm.loss_cfg, gen)
-            res.loss.backward()
-            arm.opt.step()
-            t2 = time.perf_counter()
-            return t2 - t0, t2 - t1, float(res.loss)
+            with timer.time(str(chunk)) if timer else nullcontext():
+                tout = shared_target_pass(target, batch, [arm.drafter], [plan])[0]
+                with timer.time(f"{chunk} drafter") if timer else nullcontext():
+                    arm.opt.zero_grad(set_to_none=True)
+                    res = arm_step(arm.model, arm.drafter, batch, tout, plan, arm.loss_cfg, gen)
+                    res.loss.backward()
+                    arm.opt.step()
+            return float(res.loss)
 
         return step
 
@@ -95,27 +96,24 @@ def measure_memory(args) -> dict:
     _, steps = build(args)
     (chunk, step), = steps.items()
     base = _rss_mib()
-    t, dt, loss = step(0)
+    loss = step(0)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return {"kind": args.kind, "chunk": chunk, "peak_mib": peak - base, "maxrss_mib": peak, "loss": loss,
             "threads": torch.get_num_threads()}
 
 
 def measure_time(args) -> dict:
-    """Median step time of every chunk value, the variants alternating step by step after one
-    warm-up step each, so a machine shared with other work slows them alike."""
+    """Median step time of every chunk value, the order rotating step by step after one warm-up
+    step each (``timer.SideBySide``), so a machine shared with other work slows them alike."""
+    from timer import SideBySide
+
     _, steps = build(args)
-    order = list(steps)
-    times = {c: [] for c in order}
-    dtimes = {c: [] for c in order}
-    for i in range(args.steps + 1):
-        for c in order if i % 2 == 0 else order[::-1]:
-            t, dt, _ = steps[c](i)
-            if i:
-                times[c].append(t)
-                dtimes[c].append(dt)
-    return {"kind": args.kind, "step_s": {c: statistics.median(v) for c, v in times.items()},
-            "drafter_step_s": {c: statistics.median(v) for c, v in dtimes.items()}}
+    t = SideBySide([str(c) for c in steps], repeats=args.steps, warmup=1)
+    for i, order in t.rounds():
+        for c in order:
+            steps[int(c)](i, t)
+    return {"kind": args.kind, "step_s": {c: t.median(str(c)) for c in steps},
+            "drafter_step_s": {c: t.median(f"{c} drafter") for c in steps}}
 
 
 def main() -> None:

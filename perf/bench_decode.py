@@ -1,14 +1,18 @@
 """Is our decode loop an honest baseline? AR (``vatspec.decode`` without a draft) vs HF
 ``generate()`` greedy on the default SmolLM2 target, interleaved per prompt; optionally drafters.
 
-    .venv/bin/python scripts/bench_decode.py                          # AR vs HF generate
-    .venv/bin/python scripts/bench_decode.py --draft eagle3=runs/x    # plus a trained drafter
-    .venv/bin/python scripts/bench_decode.py --repeat 3 --max-new-tokens 128 --threads 2
-    .venv/bin/python scripts/bench_decode.py --bench gsm8k --bench mt_bench --num-prompts 10 --draft ...
+    .venv/bin/python perf/bench_decode.py                          # AR vs HF generate
+    .venv/bin/python perf/bench_decode.py --draft eagle3=runs/x    # plus a trained drafter
+    .venv/bin/python perf/bench_decode.py --repeat 3 --max-new-tokens 128 --threads 2
+    .venv/bin/python perf/bench_decode.py --bench gsm8k --bench mt_bench --num-prompts 10 --draft ...
 
 Prints tokens/s of each, the AR / HF ratio (>= 1 means our baseline is not slowed down), and
 for drafters tau, speedup and where a round's time goes: drafting and verifying, each in units
 of one AR step, so ``speedup / tau ~= 1 / (draft + verify)``. Writes the full report with ``--out``.
+
+The timing is ``vatspec.bench.evaluate``'s own, the code under test (what ``vatspec eval`` reports): every
+prompt runs each method once, the order rotating from prompt to prompt (``bench.run_order``), as
+``timer.SideBySide`` rotates the paths of a round.
 """
 
 from __future__ import annotations

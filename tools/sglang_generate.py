@@ -1,7 +1,7 @@
 """Greedy speculative decoding of exported drafts in SGLang: what a served draft commits and accepts.
 
-The SGLang counterpart of `scripts/vllm_generate.py`, with the same arguments and output; it runs in a
-Python environment that holds SGLang, not vatspec, and `scripts/vllm_parity.py --engine sglang` calls it.
+The SGLang counterpart of `tools/vllm_generate.py`, with the same arguments and output; it runs in a
+Python environment that holds SGLang, not vatspec, and `tools/vllm_parity.py --engine sglang` calls it.
 For the target alone and then for each ``NAME=DIR`` (an `vatspec export` folder: `eagle3-hf`, or `dflash`
 with k = its block size - 1), one `sglang.Engine` generates every prompt at temperature 0, one prompt at a
 time, and the request's speculative counters (``spec_verify_ct``, ``spec_num_correct_drafts``,
@@ -37,7 +37,7 @@ Environment (CPU, no GPU; ~2 min):
         aiosignal frozenlist apache-tvm-ffi==0.1.11 sentencepiece compressed-tensors einops \\
         partial-json-parser opentelemetry-api setproctitle xgrammar==0.2.7 dill loguru gguf openai sniffio
 
-    ~/sglang-cpu/bin/python scripts/sglang_generate.py --target TARGET_DIR --prompts prompts.json \\
+    ~/sglang-cpu/bin/python tools/sglang_generate.py --target TARGET_DIR --prompts prompts.json \\
         --out sglang.json --k 1 --max-tokens 32 --draft eagle3=served/eagle3
 """
 

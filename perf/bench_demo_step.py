@@ -17,10 +17,10 @@ shared teacher: what Muon's orthogonalisation adds to a step.
 with Muon and the shared teacher: what the extra supervised positions cost.
 
 Both modes train their own copy of the same arms from the demo's feature cache, alternating (the
-order flips every step), and the script prints the median seconds of one step of the four arms
-and the ratio.
+order flips every step, ``timer.SideBySide``), and the script prints the median (and min) seconds of one
+step of the four arms and the ratio.
 
-    .venv/bin/python scripts/bench_demo_step.py [--compare MODE] [--threads 2] [--steps 8]
+    .venv/bin/python perf/bench_demo_step.py [--compare MODE] [--threads 2] [--steps 8]
 
 Needs the demo's feature cache (``vatspec demo`` makes it).
 """
@@ -29,18 +29,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
+from timer import SideBySide
 
 from vatspec import data as D
 from vatspec.chunked import TeacherShare
 from vatspec.data import BatchIterator
-from vatspec.demo import ARMS, SIZES, arm_configs
 from vatspec.drafters import plan_batch
+from vatspec.experiment import arm_configs, load_recipe
 from vatspec.features import CachedTarget, FeatureCache
 from vatspec.precision import precision_context
 from vatspec.target import open_target, vatspec_home
@@ -68,7 +67,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8, help="timed steps per mode")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    size = dataclasses.replace(SIZES["default"], precision="fp32")  # the mode sets the autocast
+    recipe = load_recipe("demo")
+    size = dataclasses.replace(recipe.size, precision="fp32")  # the mode sets the autocast
     home = vatspec_home() / "demo"
     stem = f"regen-n{size.prompts}-t{size.regen_tokens}-s{size.seed}"
     data, cache_dir = home / f"{stem}.jsonl", home / f"{stem}.features-m{size.max_length}"
@@ -82,7 +82,7 @@ def main() -> None:
     modes = MODES[args.compare]
     runs = Path(tempfile.mkdtemp()) / "runs"
     arms = {m: [build_arm(c, target, counts, 100, device=target.device)
-                for c in arm_configs(list(ARMS), dataclasses.replace(size, optim=optim, precision=precision), data,
+                for c in arm_configs(recipe.arms, dataclasses.replace(size, optim=optim, precision=precision), data,
                                      runs)]
             for m, (_, precision, optim, _) in modes.items()}
     first, second = arms.values()  # the same start in each mode (the arm's seed), on the one target
@@ -91,33 +91,27 @@ def main() -> None:
     # the same batches (same seed) with the answers supervised, or every position (data.loss_on)
     batches = {on: BatchIterator([e.supervise_all() for e in examples] if on == "all" else examples,
                                  size.batch_size, pad_id(target), seed=0) for on in ("assistant", "all")}
-    times: dict[str, list[float]] = {m: [] for m in modes}
-    for step in range(1 + args.steps):  # step 0 warms up
+    t = SideBySide(list(modes), repeats=args.steps, warmup=1)
+    for step, order in t.rounds():  # step 0 warms up
         batch_of = {on: next(it) for on, it in batches.items()}
-        for mode in (list(modes) if step % 2 == 0 else list(modes)[::-1]):
+        for mode in order:
             shared_teacher, precision, _, loss_on = modes[mode]
             batch = batch_of[loss_on]
             gens = [step_generator(0, step, 0, 0) for _ in arms[mode]]
-            t0 = time.perf_counter()
-            plans = [plan_batch(a.drafter, batch, a.cfg.drafter, g, with_logits=not a.loss_cfg.chunk_size)
-                     for a, g in zip(arms[mode], gens)]
-            touts = shared_target_pass(cached, batch, [a.drafter for a in arms[mode]], plans)
-            shared = TeacherShare() if shared_teacher else None
-            for a, tout, plan, g in zip(arms[mode], touts, plans, gens):
-                a.opt.zero_grad(set_to_none=True)
-                with precision_context(batch.input_ids.device, precision):
-                    res = arm_step(a.model, a.drafter, batch, tout, plan, a.loss_cfg, g, shared)
-                res.loss.backward()
-                a.opt.step()
-            if step:
-                times[mode].append(time.perf_counter() - t0)
-    med = {m: statistics.median(v) for m, v in times.items()}
-    print(f"{size.batch_size} x {size.max_length} tokens, {len(first)} arms ({', '.join(ARMS)}), "
-          f"{args.threads} threads, median of {args.steps} steps")
-    for m, t in med.items():
-        print(f"  {m:<8} {t:.2f} s/step")
-    a, b = list(med)
-    print(f"  ratio {a} / {b}: {med[a] / med[b]:.2f}x")
+            with t.time(mode):
+                plans = [plan_batch(a.drafter, batch, a.cfg.drafter, g, with_logits=not a.loss_cfg.chunk_size)
+                         for a, g in zip(arms[mode], gens)]
+                touts = shared_target_pass(cached, batch, [a.drafter for a in arms[mode]], plans)
+                shared = TeacherShare() if shared_teacher else None
+                for a, tout, plan, g in zip(arms[mode], touts, plans, gens):
+                    a.opt.zero_grad(set_to_none=True)
+                    with precision_context(batch.input_ids.device, precision):
+                        res = arm_step(a.model, a.drafter, batch, tout, plan, a.loss_cfg, g, shared)
+                    res.loss.backward()
+                    a.opt.step()
+    print(f"{size.batch_size} x {size.max_length} tokens, {len(first)} arms ({', '.join(recipe.arms)}), "
+          f"{args.threads} threads, seconds of one step of the arms over {args.steps} steps")
+    t.report(base=list(modes)[1])  # the ratio first / second mode: alone / shared, fp32 / bf16, adamw / muon, ...
 
 
 if __name__ == "__main__":

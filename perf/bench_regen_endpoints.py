@@ -1,15 +1,17 @@
 """Regeneration in-process against regeneration through servers, side by side on the same prompts.
 
-    .venv/bin/python scripts/bench_regen_endpoints.py [--n 64] [--max-new-tokens 64] [--concurrency 4] \
-        [--engine transformers|vllm] [--vllm-python ~/vllm-cpu/bin/python] [--serve-args "..."]
+    .venv/bin/python perf/bench_regen_endpoints.py [--n 64] [--max-new-tokens 64] [--concurrency 4] \
+        [--engine transformers|vllm] [--vllm-python ~/vllm-cpu/bin/python] [--serve-args "..."] [--repeat 1]
 
 Answers the demo's first N training prompts (greedy, the embedded target, float32) three ways in one run:
 ``regenerate`` in-process (the demo's batches), through one server process on the loopback address
 (``transformers serve``, or vLLM's OpenAI server from the CPU build ``vllm-cpu`` in its own venv), and
 through two such processes at once (``--endpoint`` twice; vLLM servers bound to a core each). Prints each
 way's time, tokens, tokens/s, its ratio to in-process, and the share of answers whose token ids equal
-in-process's (the server's ids where it returns them, as vLLM does, else its text re-tokenized). The servers
-are started and stopped by the script; they share the machine's cores with nothing else of it while they answer.
+in-process's (the server's ids where it returns them, as vLLM does, else its text re-tokenized). ``--repeat``
+rounds of the three ways, their order rotating (``timer.SideBySide``): the time is the median. The servers
+are started before and stopped after each timed way; they share the machine's cores with nothing else of it
+while they answer (the in-process target stays loaded, idle).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+
+from timer import SideBySide
 
 
 def start_server(path: Path, extra: list[str], log: Path, vllm_python: str | None,
@@ -74,56 +78,59 @@ def main() -> int:
     ap.add_argument("--vllm-python", default=str(Path.home() / "vllm-cpu/bin/python"),
                     help="--engine vllm: the python of a venv with vllm-cpu installed")
     ap.add_argument("--serve-args", default="", help="extra flags of the server")
+    ap.add_argument("--repeat", type=int, default=1, help="rounds of the three ways")
     args = ap.parse_args()
 
     from vatspec.benchmarks import prepare_prompts
     from vatspec.data import regenerate
     from vatspec.data.endpoints import regenerate_endpoints
-    from vatspec.demo import REGEN_BATCH, SIZES
+    from vatspec.experiment import REGEN_BATCH, load_recipe
     from vatspec.target import open_target, prepare_default_target
 
-    size = SIZES["default"]
+    size = load_recipe("demo").size
     prompts = prepare_prompts(size.prompts, seed=size.seed, max_turns=1, max_chars=600)[: args.n]
     work = Path(tempfile.mkdtemp(prefix="bench-regen-endpoints-"))
-    rows = []
-
     target = open_target("default", device="cpu", dtype="float32")
-    t = time.perf_counter()
-    st = regenerate(prompts, target, work / "inproc.jsonl", batch_size=REGEN_BATCH[0], batch_tokens=REGEN_BATCH[1],
-                    max_new_tokens=args.max_new_tokens, progress=False)
-    rows.append(("in-process", time.perf_counter() - t, st.new_tokens, work / "inproc.jsonl"))
     tok, eos = target.tokenizer, list(target.eos_token_ids)
-    del target
-
     path = prepare_default_target()
     extra = shlex.split(args.serve_args)
-    for n_servers in (1, 2):
-        vllm = args.vllm_python if args.engine == "vllm" else None
-        cores = [str(k % (os.cpu_count() or 1)) for k in range(n_servers)] if n_servers > 1 else [None]
-        servers = [start_server(path, extra, work / f"serve{n_servers}-{k}.log", vllm, cores[k])
-                   for k in range(n_servers)]
-        out = work / f"endpoints{n_servers}.jsonl"
-        try:
-            t = time.perf_counter()
-            st = regenerate_endpoints(prompts, [u for _, u, _ in servers], servers[0][2], tok, eos, out,
-                                      concurrency=args.concurrency, max_new_tokens=args.max_new_tokens,
-                                      progress=False)
-            rows.append((f"{n_servers} {args.engine} x {args.concurrency}", time.perf_counter() - t, st.new_tokens,
-                         out))
-        finally:
-            for proc, _, _ in servers:
-                proc.send_signal(signal.SIGINT)
-                proc.wait(30)
+    vllm = args.vllm_python if args.engine == "vllm" else None
+    ways = {"in-process": 0, **{f"{n} {args.engine} x {args.concurrency}": n for n in (1, 2)}}  # way -> servers
+    t = SideBySide(list(ways), repeats=args.repeat, warmup=0)
+    tokens, outs = {}, {}
+    for r, order in t.rounds():
+        for way in order:
+            n_servers, out = ways[way], work / f"{way.split()[0]}-{r}.jsonl"
+            if not n_servers:
+                with t.time(way):
+                    st = regenerate(prompts, target, out, batch_size=REGEN_BATCH[0], batch_tokens=REGEN_BATCH[1],
+                                    max_new_tokens=args.max_new_tokens, progress=False)
+            else:
+                cores = [str(k % (os.cpu_count() or 1)) for k in range(n_servers)] if n_servers > 1 else [None]
+                servers = [start_server(path, extra, work / f"serve{n_servers}-{k}-{r}.log", vllm, cores[k])
+                           for k in range(n_servers)]
+                try:
+                    with t.time(way):
+                        st = regenerate_endpoints(prompts, [u for _, u, _ in servers], servers[0][2], tok, eos, out,
+                                                  concurrency=args.concurrency, max_new_tokens=args.max_new_tokens,
+                                                  progress=False)
+                finally:
+                    for proc, _, _ in servers:
+                        proc.send_signal(signal.SIGINT)
+                        proc.wait(30)
+            tokens[way] = st.new_tokens
+            outs.setdefault(way, out)  # the first round's answers are compared
 
-    ref = answer_ids(rows[0][3], tok)
-    base = rows[0][2] / rows[0][1]
+    ref = answer_ids(outs["in-process"], tok)
+    base = tokens["in-process"] / t.median("in-process")
     print(f"\n{args.n} prompts, at most {args.max_new_tokens} new tokens, greedy, float32; {args.engine} server "
-          f"{args.serve_args or '(defaults)'}")
+          f"{args.serve_args or '(defaults)'}; median of {args.repeat}")
     print(f"{'way':<24} {'seconds':>8} {'tokens':>7} {'tok/s':>7} {'vs in-process':>14} {'ids equal':>10}")
-    for name, secs, tokens, out in rows:
-        got = answer_ids(out, tok)
+    for way in ways:
+        got = answer_ids(outs[way], tok)
         same = sum(got.get(k) == v for k, v in ref.items())
-        print(f"{name:<24} {secs:8.1f} {tokens:7d} {tokens / secs:7.1f} {tokens / secs / base:13.2f}x "
+        secs = t.median(way)
+        print(f"{way:<24} {secs:8.1f} {tokens[way]:7d} {tokens[way] / secs:7.1f} {tokens[way] / secs / base:13.2f}x "
               f"{same:>4}/{len(ref)}")
     print(f"(files in {work})")
     return 0

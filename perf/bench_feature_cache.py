@@ -6,25 +6,25 @@ Prints, in one run:
   - bytes per token on disk for each drafter's default layer set and each storage dtype;
   - the training step online (target forward + drafter step) against cached (cache read + lm_head +
     drafter step), per drafter and for the demo's four lockstep arms, on the same batches,
-    alternating, median seconds, and the ratio online / cached.
+    alternating (``timer.SideBySide``), median seconds, and the ratio online / cached.
 
-    OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_feature_cache.py [--threads 1] [--steps 6] [--json out.json]
+    OMP_NUM_THREADS=1 .venv/bin/python perf/bench_feature_cache.py [--threads 1] [--steps 6] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from timer import SideBySide
 
 from vatspec import data as D
-from vatspec.demo import ARMS, SIZES, arm_configs
 from vatspec.drafters import plan_batch
+from vatspec.experiment import arm_configs, load_recipe
 from vatspec.features import CachedTarget, FeatureCache, config_layer_ids, drafter_layer_ids, write_cache
 from vatspec.target import open_target, vatspec_home
 from vatspec.train import arm_step, build_arm, pad_id, shared_target_pass, step_generator, tokenize_items
@@ -34,7 +34,7 @@ def demo_corpus(target, size) -> tuple[Path, str]:
     """The demo's regenerated training set: its cached file, else the same 128 prompts taken from the
     cached 512-prompt regeneration (same prompts, greedy, same token budget), else regenerated."""
     from vatspec.benchmarks import prepare_prompts
-    from vatspec.demo import prepare_training_data
+    from vatspec.experiment import prepare_training_data
 
     home = vatspec_home() / "demo"
     own = home / f"regen-n{size.prompts}-t{size.regen_tokens}-s{size.seed}.jsonl"
@@ -71,29 +71,25 @@ def step_times(target, cached, cfgs, examples, steps: int, warmup: int) -> dict:
     counts = D.token_counts(examples, target.vocab_size)
     arms = [build_arm(c, target, counts, steps + warmup, device=target.device) for c in cfgs]
     batches = BatchIterator(examples, cfgs[0].data.batch_size, pad_id(target), seed=0)
-    times: dict[str, list[float]] = {"online": [], "cached": [], "online_target": [], "cached_target": []}
-    for step in range(warmup + steps):
+    sources = {"online": target, "cached": cached}
+    t = SideBySide(list(sources), repeats=steps, warmup=warmup)
+    for step, order in t.rounds():
         batch = next(batches)
-        modes = [("online", target), ("cached", cached)]
-        for mode, source in modes if step % 2 == 0 else modes[::-1]:
+        for mode in order:
             gens = [step_generator(0, step, 0, 0) for _ in arms]
-            t0 = time.perf_counter()
-            plans = [plan_batch(a.drafter, batch, a.cfg.drafter, g, with_logits=not a.loss_cfg.chunk_size)
-                     for a, g in zip(arms, gens)]
-            touts = shared_target_pass(source, batch, [a.drafter for a in arms], plans)
-            t1 = time.perf_counter()
-            for a, tout, plan, g in zip(arms, touts, plans, gens):
-                a.opt.zero_grad(set_to_none=True)
-                res = arm_step(a.model, a.drafter, batch, tout, plan, a.loss_cfg, g)
-                res.loss.backward()
-                torch.nn.utils.clip_grad_norm_(a.params, a.optim_cfg.grad_clip)
-                a.opt.step()
-            t2 = time.perf_counter()
-            if step >= warmup:
-                times[mode].append(t2 - t0)
-                times[f"{mode}_target"].append(t1 - t0)
-    med = {k: statistics.median(v) for k, v in times.items()}
-    med["ratio"] = med["online"] / med["cached"]
+            with t.time(mode):
+                with t.time(f"{mode}_target"):
+                    plans = [plan_batch(a.drafter, batch, a.cfg.drafter, g, with_logits=not a.loss_cfg.chunk_size)
+                             for a, g in zip(arms, gens)]
+                    touts = shared_target_pass(sources[mode], batch, [a.drafter for a in arms], plans)
+                for a, tout, plan, g in zip(arms, touts, plans, gens):
+                    a.opt.zero_grad(set_to_none=True)
+                    res = arm_step(a.model, a.drafter, batch, tout, plan, a.loss_cfg, g)
+                    res.loss.backward()
+                    torch.nn.utils.clip_grad_norm_(a.params, a.optim_cfg.grad_clip)
+                    a.opt.step()
+    med = {k: t.median(k) for k in ("online", "cached", "online_target", "cached_target")}
+    med["ratio"] = t.ratio("online", "cached")
     return med
 
 
@@ -108,15 +104,16 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
 
-    size = SIZES["default"]
+    recipe = load_recipe("demo")
+    size = recipe.size
     target = open_target("default", device="cpu", dtype="float32")
     data, what = demo_corpus(target, size)
     convs = D.load_conversations(data)
     tmp = Path(tempfile.mkdtemp(prefix="bench-features-"))
     L = target.num_layers
     sets = {"eagle3": drafter_layer_ids("eagle3", L), "dflash": drafter_layer_ids("dflash", L)}
-    names = list(ARMS)
-    cfgs = arm_configs(names, size, data, tmp / "runs")
+    names = list(recipe.arms)
+    cfgs = arm_configs(recipe.arms, size, data, tmp / "runs")
     sets["demo (eagle3 + dflash)"] = sorted({i for c in cfgs for i in config_layer_ids(c.drafter, L)})
     print(f"corpus: {what}: {len(convs)} conversations, max length {size.max_length}; "
           f"{args.threads} thread(s)")

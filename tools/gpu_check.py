@@ -1,7 +1,7 @@
 """The one GPU check: real-scale shapes on one GPU, no network, nothing but this repository.
 
-    PYTHONPATH=src python3 scripts/gpu_check.py --out gpu_check.json      # scripts/gpu_check.sh runs this
-    PYTHONPATH=src python3 scripts/gpu_check.py --small --device cpu      # the same code on tiny shapes
+    PYTHONPATH=src python3 tools/gpu_check.py --out gpu_check.json      # tools/gpu_check.sh runs this
+    PYTHONPATH=src python3 tools/gpu_check.py --small --device cpu      # the same code on tiny shapes
 
 For each target built in code with random weights (a Llama-3-8B-shaped one, vocab 128256, and a
 Qwen3-8B-shaped one, vocab 151936; bf16 on the GPU), it trains EAGLE-3 and DFlash, each with its

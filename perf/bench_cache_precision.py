@@ -1,14 +1,15 @@
 """The demo's feature cache with its target pass in float32 and under bf16 autocast, side by side, and the
 demo's four arms trained from each.
 
-    .venv/bin/python scripts/bench_cache_precision.py --out runs/cache-precision [--seeds 0 1] [--threads 2]
+    .venv/bin/python perf/bench_cache_precision.py --out runs/cache-precision [--seeds 0 1] [--threads 2]
 
 Takes the demo's regenerated training set under $VATSPEC_HOME/demo (what ``vatspec demo`` made; regenerated
-when missing) and writes its feature cache twice in one process, ``precision="fp32"`` then ``"bf16"`` (float32
-storage, the demo's layers and length): the seconds of each and their ratio, how often the target's argmax
-label (the lm_head on the cached final hidden state, in float32) agrees between the two, and the relative
-change of each stored tensor. Then, per seed, trains the demo's four arms from each cache (``demo.arm_configs``
-and ``train_lockstep``: a seed here equals that seed's demo arms on the same CPU) and prints each arm's held-out
+when missing) and writes its feature cache twice in one process, ``precision="fp32"`` and ``"bf16"`` (float32
+storage, the demo's layers and length; ``--repeat`` rounds, the order alternating, ``timer.SideBySide``): the
+seconds of each and their ratio, how often the target's argmax label (the lm_head on the cached final hidden
+state, in float32) agrees between the two, and the relative change of each stored tensor. Then, per seed,
+trains the demo's four arms from each cache (the ``demo`` recipe's, ``experiment.arm_configs`` and
+``train_lockstep``: a seed here equals that seed's demo arms on the same CPU) and prints each arm's held-out
 tau_sim and bf16 - fp32 per chain with its 95% paired-bootstrap interval. Writes OUT/fp32, OUT/bf16 (the
 caches), OUT/seed<S>-<precision>/<arm>/ run folders and OUT/summary.json.
 """
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
+from timer import SideBySide
 
 PRECISIONS = ("fp32", "bf16")
 
@@ -33,32 +35,35 @@ def main() -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--seeds", type=int, nargs="*", default=[0], help="training seeds (none: the caches only)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    ap.add_argument("--repeat", type=int, default=1, help="rounds of the two cache writes (each rewrites both)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
 
     from vatspec import data as D
-    from vatspec.demo import ARMS, FEATURE_DTYPE, SIZES, arm_configs, prepare_training_data, train_lockstep
+    from vatspec.experiment import FEATURE_DTYPE, arm_configs, load_recipe, prepare_training_data, train_lockstep
     from vatspec.features import config_layer_ids, write_cache
     from vatspec.stats import paired_difference
     from vatspec.target import open_target, vatspec_home
 
-    size = dataclasses.replace(SIZES["default"], precision="bf16")
+    recipe = load_recipe("demo")
+    size = dataclasses.replace(recipe.size, precision="bf16")
     target = open_target("default", device="cpu", dtype="float32")
     data_path, _ = prepare_training_data(target, size, vatspec_home(), progress=False)
     convs = D.load_conversations(data_path)
-    probe = arm_configs(list(ARMS), size, data_path, args.out / "probe")
+    probe = arm_configs(recipe.arms, size, data_path, args.out / "probe")
     layers = sorted({i for c in probe for i in config_layer_ids(c.drafter, target.num_layers)})
-    summary: dict = {"data": str(data_path), "layers": layers, "cache_seconds": {}}
-    for p in PRECISIONS:
-        shutil.rmtree(args.out / p, ignore_errors=True)
-        t0 = time.perf_counter()
-        write_cache(target, convs, args.out / p, layer_ids=layers, dtype=FEATURE_DTYPE, precision=p,
-                    max_length=size.max_length, source=str(data_path), progress=False)
-        summary["cache_seconds"][p] = time.perf_counter() - t0
-        print(f"cache, target pass in {p}: {summary['cache_seconds'][p]:.1f} s", flush=True)
-    s = summary["cache_seconds"]
-    print(f"bf16 / fp32 time: {s['bf16'] / s['fp32']:.3f}", flush=True)
+    summary: dict = {"data": str(data_path), "layers": layers}
+    t = SideBySide(PRECISIONS, repeats=args.repeat, warmup=0)
+    for _, order in t.rounds():
+        for p in order:
+            shutil.rmtree(args.out / p, ignore_errors=True)
+            with t.time(p):
+                write_cache(target, convs, args.out / p, layer_ids=layers, dtype=FEATURE_DTYPE, precision=p,
+                            max_length=size.max_length, source=str(data_path), progress=False)
+            print(f"cache, target pass in {p}: {t.seconds[p][-1]:.1f} s", flush=True)
+    summary["cache_seconds"] = {p: t.median(p) for p in PRECISIONS}
+    t.report(base="fp32")
 
     agree = tokens = 0
     change: dict[str, list[float]] = {}
@@ -78,10 +83,9 @@ def main() -> int:
     for seed in args.seeds:
         runs = {}
         for p in PRECISIONS:
-            sized = dataclasses.replace(size, seed=seed)
             t0 = time.perf_counter()
-            train_lockstep(arm_configs(list(ARMS), sized, data_path, args.out / f"seed{seed}-{p}",
-                                       features=args.out / p), progress=False)
+            train_lockstep(arm_configs(recipe.arms, size, data_path, args.out / f"seed{seed}-{p}",
+                                       features=args.out / p, train_seed=seed), progress=False)
             print(f"seed {seed}, {p} cache: trained in {time.perf_counter() - t0:.0f} s", flush=True)
             runs[p] = {name: json.loads((args.out / f"seed{seed}-{p}" / name / "heldout_chains.json").read_text())
                        for name in _run_names(args.out / f"seed{seed}-{p}")}

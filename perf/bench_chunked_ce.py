@@ -2,10 +2,11 @@
 logits in a hand-written backward) vs ``torch.utils.checkpoint`` around each chunk of the unchunked
 expression (``losses.token_ce`` on ``head_logits``), and the unchunked expression itself.
 
-Forward + backward of soft and hard CE over N rows, each variant in a fresh subprocess: median time
-and peak RSS above the RSS before the first call.
+Forward + backward of soft and hard CE over N rows. Memory: each variant in a fresh subprocess, peak RSS of
+one call above the RSS before it. Time: one more subprocess runs the three variants in interleaved rounds
+(``timer.SideBySide``, one warm-up round): median and min seconds, and each variant's ratio to the unchunked.
 
-    .venv/bin/python scripts/bench_chunked_ce.py --rows 4096 --vocab 32000 --chunk 256
+    .venv/bin/python perf/bench_chunked_ce.py --rows 4096 --vocab 32000 --chunk 256
 """
 
 from __future__ import annotations
@@ -14,13 +15,14 @@ import argparse
 import json
 import os
 import resource
-import statistics
 import subprocess
 import sys
-import time
+
+VARIANTS = ("unchunked", "function", "checkpoint")
 
 
-def run(args) -> dict:
+def variants(args) -> dict:
+    """One forward + backward per variant, as ``{name: call}`` on the same inputs."""
     import torch
     from torch.utils.checkpoint import checkpoint
 
@@ -39,25 +41,36 @@ def run(args) -> dict:
         soft, hard = token_ce(head_logits(h, w), p[idx], lab)
         return soft.sum() + hard.sum()
 
-    def once() -> float:
-        t0 = time.perf_counter()
-        if args.variant == "function":
+    def once(variant: str) -> None:
+        if variant == "function":
             soft, hard, _, _ = chunked_token_ce(hidden, weight, p, p_index, labels, chunk_size=C)
             loss = soft.sum() + hard.sum()
-        elif args.variant == "checkpoint":
+        elif variant == "checkpoint":
             loss = sum(checkpoint(plain, hidden[s : s + C], weight, p_index[s : s + C], labels[s : s + C],
                                   use_reentrant=False) for s in range(0, N, C))
         else:
             loss = plain(hidden, weight, p_index, labels)
         loss.backward()
         hidden.grad = weight.grad = None
-        return time.perf_counter() - t0
 
+    return {v: (lambda r, v=v: once(v)) for v in VARIANTS}
+
+
+def measure_memory(args) -> dict:
+    calls = variants(args)
     with open("/proc/self/statm") as f:
         base = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-    times = [once() for _ in range(args.repeat + 1)][1:]
+    calls[args.variant](0)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return {"variant": args.variant, "s": statistics.median(times), "peak_mib": peak - base}
+    return {"variant": args.variant, "peak_mib": peak - base}
+
+
+def measure_time(args) -> dict:
+    from timer import SideBySide
+
+    t = SideBySide(VARIANTS, repeats=args.repeat, warmup=1)
+    t.run(variants(args))
+    return {"lines": t.lines(base="unchunked"), "median_s": {v: t.median(v) for v in VARIANTS}}
 
 
 def main() -> None:
@@ -66,19 +79,25 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--chunk", type=int, default=256)
-    ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--variant", help=argparse.SUPPRESS)
+    ap.add_argument("--repeat", type=int, default=3, help="timed rounds after one warm-up round")
+    ap.add_argument("--mode", choices=["memory", "time"], help=argparse.SUPPRESS)  # one subprocess
+    ap.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.variant:
-        print(json.dumps(run(args)))
+    if args.mode:
+        print(json.dumps(measure_memory(args) if args.mode == "memory" else measure_time(args)))
         return
+    common = [f"--{k}={getattr(args, k)}" for k in ("rows", "hidden", "vocab", "chunk", "repeat")]
+
+    def sub(*extra: str) -> dict:
+        cmd = [sys.executable, __file__, *extra, *common]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+        return json.loads(out.strip().splitlines()[-1])
+
     print(f"N={args.rows} rows, H={args.hidden}, V={args.vocab}, chunk={args.chunk}: soft + hard CE, forward + "
-          f"backward, median of {args.repeat}")
-    for variant in ("unchunked", "function", "checkpoint"):
-        cmd = [sys.executable, __file__, "--variant", variant] + [
-            f"--{k}={getattr(args, k)}" for k in ("rows", "hidden", "vocab", "chunk", "repeat")]
-        r = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1])
-        print(f"  {variant:>10}: {r['s']:.3f}s  peak {r['peak_mib']:.0f} MiB")
+          f"backward; peak RSS of one call in a fresh process, seconds over {args.repeat} interleaved rounds")
+    for variant in VARIANTS:
+        print(f"  {variant:>10}: peak {sub('--mode', 'memory', '--variant', variant)['peak_mib']:.0f} MiB", flush=True)
+    print("\n".join("  " + line for line in sub("--mode", "time")["lines"]))
 
 
 if __name__ == "__main__":

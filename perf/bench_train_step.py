@@ -2,24 +2,23 @@
 in one process.
 
 VAT changes only the loss, so its training step should cost about the same (goal: ratio <= 1.05).
-Every arm sees the same batches, in an order rotated step by step after a warm-up, on the default
-target. Two ratios are printed per kind: the drafter step alone (forward + loss + backward +
+Every arm sees the same batches, in an order rotated step by step after a warm-up (``timer.SideBySide``), on
+the default target. Two ratios are printed per kind: the drafter step alone (forward + loss + backward +
 optimiser, the part a loss can change) and the full step including the shared target forward.
 
-    .venv/bin/python scripts/bench_train_step.py --drafter eagle3 --steps 8
-    .venv/bin/python scripts/bench_train_step.py --drafter dflash --steps 8 --kinds vat,kl,tv,lk,dpace,specauf,dspark
+    .venv/bin/python perf/bench_train_step.py --drafter eagle3 --steps 8
+    .venv/bin/python perf/bench_train_step.py --drafter dflash --steps 8 --kinds vat,kl,tv,lk,dpace,specauf,dspark
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
+from timer import SideBySide
 
 from vatspec import data as D
 from vatspec.config import load_config
@@ -50,10 +49,10 @@ def main() -> None:
     if args.data:
         data = args.data
     else:
-        from vatspec.demo import DemoSize, prepare_training_data
+        from vatspec.experiment import Size, prepare_training_data
         from vatspec.target import vatspec_home
 
-        data = str(prepare_training_data(target, DemoSize(prompts=32, regen_tokens=128), vatspec_home(), False)[0])
+        data = str(prepare_training_data(target, Size(prompts=32, regen_tokens=128), vatspec_home(), False)[0])
     baseline = args.drafter
     common = ["target.path=default", f"data.train={data}", f"data.batch_size={args.batch_size}",
               f"data.max_length={args.max_length}",
@@ -69,29 +68,27 @@ def main() -> None:
     batches = [D.collate(examples[i : i + args.batch_size], pad)
                for i in range(0, args.batch_size * total, args.batch_size)]
 
-    drafter_t = {k: [] for k in arms}
-    target_t = []
-    order = list(arms.items())
-    for step, batch in enumerate(batches):
-        for k, arm in order[step % len(order):] + order[: step % len(order)]:  # each arm in each slot alike
+    # the paths are the arms' drafter steps; "target" holds every arm's target forward
+    t = SideBySide(list(arms), repeats=args.steps, warmup=args.warmup)
+    for step, order in t.rounds():  # each arm in each slot alike
+        batch = batches[step]
+        for k in order:
+            arm = arms[k]
             g = step_generator(0, step, 0, 0)
             plan = plan_batch(arm.drafter, batch, arm.cfg.drafter, g, with_logits=not arm.loss_cfg.chunk_size)
-            t0 = time.perf_counter()
-            tout = shared_target_pass(target, batch, [arm.drafter], [plan])[0]
-            t1 = time.perf_counter()
-            arm.opt.zero_grad(set_to_none=True)
-            res = arm_step(arm.model, arm.drafter, batch, tout, plan, arm.loss_cfg, g)
-            res.loss.backward()
-            torch.nn.utils.clip_grad_norm_(arm.params, arm.optim_cfg.grad_clip)
-            arm.opt.step()
-            t2 = time.perf_counter()
-            if step >= args.warmup:
-                drafter_t[k].append(t2 - t1)
-                target_t.append(t1 - t0)
+            with t.time("target"):
+                tout = shared_target_pass(target, batch, [arm.drafter], [plan])[0]
+            with t.time(k):
+                arm.opt.zero_grad(set_to_none=True)
+                res = arm_step(arm.model, arm.drafter, batch, tout, plan, arm.loss_cfg, g)
+                res.loss.backward()
+                torch.nn.utils.clip_grad_norm_(arm.params, arm.optim_cfg.grad_clip)
+                arm.opt.step()
+    drafter_t = {k: t.seconds[k] for k in arms}
     tokens = sum(int(b.attention_mask.sum()) for b in batches[args.warmup :])
-    med = {k: statistics.median(v) for k, v in drafter_t.items()}
-    tgt = statistics.median(target_t)
-    ratio = {k: med[k] / med[baseline] for k in kinds}
+    med = {k: t.median(k) for k in arms}
+    tgt = t.median("target")
+    ratio = {k: t.ratio(k, baseline) for k in kinds}
     out = {
         "drafter": args.drafter, "steps": args.steps, "batch_size": args.batch_size, "max_length": args.max_length,
         "drafter_step_s": med, "target_forward_s": tgt,

@@ -155,7 +155,7 @@ class Target:
     runs under ``torch.no_grad()``.
     """
 
-    def __init__(self, model, tokenizer, path: str | Path | None = None):
+    def __init__(self, model, tokenizer, path: str | Path | None = None, *, few_row_kernel: str = "auto"):
         self.model = model.eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
@@ -169,10 +169,33 @@ class Target:
         self.hidden_size: int = text_cfg.hidden_size
         self.vocab_size: int = model.get_output_embeddings().weight.shape[0]
         self._layers = _decoder_layers(model)
-        use_skinny_linears(model)
+        # the decode option: the target's linears take the few-row kernel (``skinny_linear``) of this
+        # process's CPU; the drafters' linears stay plain (a draft step is a small part of a round)
+        self._linears = use_skinny_linears(model)
+        self.few_row_kernel = "auto"
+        self.set_few_row_kernel(few_row_kernel)
         # transformers >= 5.2x names the KV-cache argument `cache` (and warns on `past_key_values`)
         params = inspect.signature(model.model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
+
+    def set_few_row_kernel(self, kind: str) -> None:
+        """Which kernel the target's few-row CPU products run (``skinny_linear``): ``auto`` (the faster,
+        timed once per weight shape and row count in this process), ``matmul`` or ``linear`` (``F.linear``)."""
+        if kind not in KERNELS:
+            raise ValueError(f"few_row_kernel must be one of {KERNELS}, got {kind!r}")
+        self.few_row_kernel = kind
+        for m in self._linears:
+            m.kernel = kind
+
+    @contextlib.contextmanager
+    def kernel(self, kind: str):
+        """``set_few_row_kernel(kind)`` inside the block, the previous choice restored after it."""
+        old = self.few_row_kernel
+        self.set_few_row_kernel(kind)
+        try:
+            yield self
+        finally:
+            self.set_few_row_kernel(old)
 
     # ----------------------------------------------------------------- loading
     @classmethod
@@ -330,7 +353,7 @@ class Target:
         w = self.lm_head.weight  # on the last device of a device_map: the logits come back to hidden's
         if torch.is_autocast_enabled(w.device.type):  # a training step's teacher: cast the frozen head once
             w = frozen_cast(w, torch.get_autocast_dtype(w.device.type))
-        lg = skinny_linear(hidden.to(w.device), w, self.lm_head.bias).float().to(hidden.device)
+        lg = skinny_linear(hidden.to(w.device), w, self.lm_head.bias, self.few_row_kernel).float().to(hidden.device)
         cap = getattr(self.config, "final_logit_softcapping", None)
         if cap:
             lg = torch.tanh(lg / cap) * cap
@@ -338,9 +361,9 @@ class Target:
 
 
 SKINNY_ROWS = 16  # up to this many rows, a CPU linear may run as weight @ x.T (see skinny_linear)
-# which few-row kernel skinny_linear runs: "auto" (the faster one, measured once per shape and row count on
-# this machine), "matmul" (always weight @ x.T) or "linear" (always F.linear); benchmarks set it
-FEW_ROW_KERNEL = "auto"
+# the few-row kernels: "auto" (the faster one, measured once per shape and row count in this process),
+# "matmul" (always weight @ x.T) or "linear" (always F.linear)
+KERNELS = ("auto", "matmul", "linear")
 _FASTER: dict[tuple, bool] = {}  # (out, in, rows, dtype, threads) -> weight @ x.T beat F.linear here
 _TIMING_REPS = 5  # best of 5 after a warm-up: enough to separate kernels that differ by > 10%
 # bytes of weight copies one timing cycles through, so the weight streams from memory as in a model pass
@@ -348,17 +371,6 @@ _TIMING_REPS = 5  # best of 5 after a warm-up: enough to separate kernels that d
 # kernel (EPYC, [576, 576], 1 row: F.linear 31 against 51 us hot, 113 against 75 us cold)
 _STREAM_BYTES = 256 * 2**20
 _MAX_COPIES = 256  # SmolLM2's smallest weight needs 203; a test model's tiny ones would need ~10^5
-
-
-@contextlib.contextmanager
-def few_row_kernel(kind: str):
-    """``FEW_ROW_KERNEL = kind`` inside the block (``auto``, ``matmul`` or ``linear``), restored after it."""
-    global FEW_ROW_KERNEL
-    old, FEW_ROW_KERNEL = FEW_ROW_KERNEL, kind
-    try:
-        yield
-    finally:
-        FEW_ROW_KERNEL = old
 
 
 def _matmul_linear(x2: Tensor, weight: Tensor) -> Tensor:
@@ -396,22 +408,22 @@ def _matmul_faster(weight: Tensor, rows: int) -> bool:
     return _FASTER[key]
 
 
-def skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+def skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None, kernel: str = "auto") -> Tensor:
     """``F.linear(x, weight, bias)``, with the faster kernel for the few rows of a decode step on CPU.
 
     With few rows, ``F.linear`` runs a GEMV (1 row) or a small-M GEMM, and which of it and the same
     product as ``weight @ x.T`` is faster depends on the CPU: on the AMD EPYC (Zen 4) machine the
     matmul streams the weight once over both cores (lm_head [49152, 576]: 1 row 10.7 -> 4.0 ms, 8 rows
     16.8 -> 8.3 ms), on an Intel Xeon (2.0 GHz, AMX) ``F.linear`` is faster up to ~8 rows (1 row 9.4
-    against 20.3 ms) and the matmul past that (``scripts/bench_target_step.py``). So ``FEW_ROW_KERNEL
-    = "auto"`` times both once per weight shape and row count, with the weight out of cache as in a
-    model pass, and keeps the faster. Same values up to float rounding (~1e-6).
+    against 20.3 ms) and the matmul past that (``perf/bench_target_step.py``). So ``kernel="auto"``
+    times both once per weight shape and row count, with the weight out of cache as in a model pass,
+    and keeps the faster. Same values up to float rounding (~1e-6).
     """
     rows = x.numel() // x.shape[-1]
-    if (FEW_ROW_KERNEL == "linear" or x.device.type != "cpu" or rows > SKINNY_ROWS or x.dtype != weight.dtype
+    if (kernel == "linear" or x.device.type != "cpu" or rows > SKINNY_ROWS or x.dtype != weight.dtype
             or not x.is_floating_point()):
         return F.linear(x, weight, bias)
-    if FEW_ROW_KERNEL == "auto" and not _matmul_faster(weight, rows):
+    if kernel == "auto" and not _matmul_faster(weight, rows):
         return F.linear(x, weight, bias)
     out = _matmul_linear(x.reshape(rows, x.shape[-1]), weight)
     if bias is not None:
@@ -441,21 +453,25 @@ def frozen_cast(weight: Tensor, dtype: torch.dtype) -> Tensor:
 
 class SkinnyLinear(nn.Linear):
     """``nn.Linear`` (same parameters and state_dict keys) whose few-row CPU products, a decode
-    step's, take the faster kernel of ``skinny_linear``; larger batches are unchanged."""
+    step's, take the ``kernel`` of ``skinny_linear``; larger batches are unchanged."""
+
+    kernel = "auto"
 
     def forward(self, x: Tensor) -> Tensor:
-        return skinny_linear(x, self.weight, self.bias)
+        return skinny_linear(x, self.weight, self.bias, self.kernel)
 
 
-def use_skinny_linears(model: nn.Module) -> None:
-    """Give every plain ``nn.Linear`` of ``model`` the few-row kernel, in place (the class is
-    swapped; parameters, hooks and state_dict stay as they are). A CPU decode step of the target is
-    ~30 x 7 linears on 1..k+1 rows, where ``F.linear`` is slowest: measured on the 2-core machine
-    (``scripts/bench_target_step.py``) a whole SmolLM2 step goes from ~52 to ~38 ms on 1 row, and
-    a verify pass over 2-4 rows from ~1.5 to ~1.0-1.25 single-row steps."""
+def use_skinny_linears(model: nn.Module) -> list[SkinnyLinear]:
+    """The target's linears as ``SkinnyLinear`` (the class is swapped in place; parameters, hooks and
+    state_dict stay as they are): a CPU decode step of the target is ~30 x 7 linears on 1..k+1 rows,
+    where ``F.linear`` is slowest. ``perf/bench_target_step.py`` measures a step and a verify pass with
+    each kernel side by side."""
+    out = []
     for m in model.modules():
-        if type(m) is nn.Linear:
+        if type(m) in (nn.Linear, SkinnyLinear):
             m.__class__ = SkinnyLinear
+            out.append(m)
+    return out
 
 
 def _heads_only_model(config, folder: Path, dtype: torch.dtype, device: torch.device):

@@ -250,9 +250,7 @@ def generate_rows(target, prompts: list[list[int]], budgets: list[int], *, eos, 
     runs every row until the last one ends. The linears run as ``F.linear`` at every row count: the
     few-row kernel would time itself once for each of the 1-16 row counts a shrinking batch passes
     (~40 s on the 2-core CPU) to speed up only a batch's last few steps."""
-    from vatspec.target import few_row_kernel
-
-    with few_row_kernel("linear"):
+    with target.kernel("linear"):
         return _generate_rows(target, prompts, budgets, eos, pad_id, temperature, top_p, generator)
 
 

@@ -14,8 +14,7 @@ from typing import Any, TypeVar
 
 import torch
 from torch import Tensor, nn
-
-from vatspec.target import SkinnyLinear as Linear
+from torch.nn import Linear
 
 
 @dataclass

@@ -12,8 +12,9 @@ import argparse
 import torch
 from timer import SideBySide
 
-import vatspec.target as T
-from vatspec.target import open_target, skinny_linear
+import vatspec.kernels as T
+from vatspec.kernels import skinny_linear
+from vatspec.target import open_target
 
 KERNELS = ("linear", "matmul", "auto")
 

@@ -42,8 +42,8 @@ from torch import Tensor
 
 from vatspec.drafters.base import DraftOutput
 from vatspec.drafters.vocab import target_ids
+from vatspec.kernels import frozen_cast
 from vatspec.losses import LossConfig, PositionTerms, entropy, hard_labels
-from vatspec.target import frozen_cast
 from vatspec.verify import Verification, chain_verification, draft_to_target, position_stats
 
 
@@ -304,7 +304,8 @@ def chunked_pass(
     generator: torch.Generator | None = None,
     shared: TeacherShare | None = None,
 ) -> tuple[Verification, PositionTerms, Tensor]:
-    """Verification, the per-position terms and the draft argmax of a chunked ``DraftOutput``
+    """Verification, the per-position terms and the draft argmax of a chunked ``DraftOutput`` (one function:
+    every chunk's pass reads the running state of the ones before it)
     (``out.logits`` is None; ``out.lm_head``, ``out.target_logits [P, V]`` and ``out.target_index``
     given), ``cfg.chunk_size`` rows at a time.
 

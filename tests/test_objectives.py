@@ -20,7 +20,6 @@ from vatspec.losses import (
     dpace_weights,
     entropy,
     first_failure,
-    head_alive_logits,
     head_bce,
     kl_divergence,
     lk_loss,
@@ -29,6 +28,7 @@ from vatspec.losses import (
     tv_loss,
     vat_objective,
 )
+from vatspec.terms import head_alive_logits
 from vatspec.verify import simulate_verification
 
 EXACT = 1e-6  # float32 round-off on O(1) values
@@ -323,7 +323,8 @@ def test_quick_objectives_run_reports_every_arm(tmp_path):
 
     import yaml
 
-    from vatspec.experiment import load_recipe, recipe_size, run
+    from vatspec.experiment import run
+    from vatspec.recipe import load_recipe, recipe_size
 
     size = {**recipe_size("demo-quick"), "steps": 2, "eval_every": 2, "benches": ["gsm8k"], "eval_tokens": 16}
     recipe = load_recipe("objectives", drafter="dflash", arms=["dflash", "lk", "specauf"], size=size)

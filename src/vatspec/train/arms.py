@@ -18,11 +18,12 @@ from vatspec.chunked import TeacherShare, chunked_pass
 from vatspec.config import Config, OptimConfig, dump_config
 from vatspec.drafters import DrafterPlan, build_drafter, plan_batch
 from vatspec.drafters.base import AcceptHead
-from vatspec.losses import head_alive_logits, vat_objective
+from vatspec.losses import vat_objective
 from vatspec.metrics import MetricAccumulator, chain_metrics
 from vatspec.optim import build_optimizer
 from vatspec.precision import precision_context
 from vatspec.target import TargetOutput, feature_noise
+from vatspec.terms import head_alive_logits
 from vatspec.train.data import pad_id
 from vatspec.train.errors import TrainError
 from vatspec.verify import simulate_verification

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.conftest import tiny_llama
-from vatspec.drafters import dflash
+from vatspec.drafters import dflash_session
 from vatspec.drafters.base import AcceptHead, DraftOutput
 from vatspec.drafters.dflash import (
     Anchors,
@@ -260,7 +260,7 @@ def test_block_sees_only_its_anchor_and_earlier_context(target):
 
 # ----------------------------------------------------------------------------- inference
 def test_session_matches_training_forward(target, monkeypatch):
-    monkeypatch.setattr(dflash, "MIN_CACHE", 2)  # so the context cache has to grow
+    monkeypatch.setattr(dflash_session, "MIN_CACHE", 2)  # so the context cache has to grow
     d = make_drafter(target)
     b = make_batch(T=16, B=1)
     tout = features_for(target, d, b)

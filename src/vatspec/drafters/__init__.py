@@ -79,8 +79,8 @@ def build_drafter(cfg, target, token_counts: Tensor | None = None):
 def init_lm_head_from_target(drafter, target) -> None:
     """EAGLE-3 option: copy the target's output rows of the draft vocabulary into ``lm_head`` and
     the target's final norm into ``norm``, so the draft starts in the target's output space.
-    (The reference initialises both randomly. On SmolLM2 this start learned slower than random in
-    every pilot, docs/results.md, so it is off by default.)"""
+    (The reference initialises both randomly, and so does this project by default: on SmolLM2 this
+    start learned slower than random; docs/results.md, "Every lever at a glance".)"""
     from vatspec.drafters.vocab import target_ids
 
     rows = target_ids(drafter.d2t)

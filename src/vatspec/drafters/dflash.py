@@ -38,189 +38,22 @@ then runs the B block tokens through the layers once.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from vatspec.drafters.base import AcceptHead, DraftOutput, Linear, SavedConfig, batch_field, distinct_layers
-from vatspec.drafters.layers import MLP, RMSNorm, apply_rope, rope_cos_sin, rope_init, rope_parameters
-from vatspec.drafters.sampling import Proposal, sample, warp_logits
+from vatspec.drafters.base import AcceptHead, DraftOutput, Linear, batch_field
+from vatspec.drafters.dflash_config import (
+    DFlashConfig,
+    default_target_layer_ids,
+    pick_mask_token,
+)
+from vatspec.drafters.dflash_session import DFlashSession
+from vatspec.drafters.layers import MLP, RMSNorm, apply_rope, rope_cos_sin, rope_init
 from vatspec.target import Target, TargetOutput
-
-MASK_TOKEN_STRING = "<|MASK|>"  # what the reference trainer adds to a tokenizer without a mask token
-MASK_SOURCES = ("override", "tokenizer", "unused_row", "special", "learned")
-MIN_CACHE = 256  # initial context-cache capacity of a session (positions); doubles when full
-
-
-def default_target_layer_ids(num_target_layers: int, num_draft_layers: int, *, distinct: bool = False) -> list[int]:
-    """The reference's choice of target layers, one per draft layer (ids = layer outputs).
-
-    ``[L // 2]`` for one draft layer, else ``round(1 + i * (L - 4) / (n - 1))`` for i < n: evenly
-    spread from layer 1 to layer L - 3. Python's ``round`` (half to even), as the reference.
-    ``distinct`` (what training builds): a layer repeated on a shallow target moves up to the next one.
-    """
-    L, n = num_target_layers, num_draft_layers
-    if n < 1:
-        raise ValueError(f"num_draft_layers must be >= 1, got {n}")
-    if n == 1:
-        return [L // 2]
-    if L < 4:
-        raise ValueError(f"spreading {n} target layers needs a target of >= 4 layers, got {L}")
-    ids = [int(round(1 + i * (L - 4) / (n - 1))) for i in range(n)]
-    return distinct_layers(ids, L, "DFlash") if distinct else ids
-
-
-def pick_mask_token(
-    tokenizer: Any, vocab_size: int, *, exclude: Sequence[int] = ()
-) -> tuple[int, str, str | None]:
-    """Choose the MASK id among the target's ids: ``(mask_token_id, mask_source, mask_token)``.
-
-    In order: the tokenizer's own mask token ("tokenizer"); the first embedding row no token maps to,
-    ``len(tokenizer)`` when the embedding is padded (what the reference gets by adding "<|MASK|>",
-    e.g. 151669 for Qwen3; "unused_row"); the highest-id special token that is not bos/eos/pad/unk,
-    not in ``exclude`` and not emitted by the chat template on a probe conversation ("special",
-    e.g. <empty_output> for SmolLM2); else ``vocab_size`` with a learned extra row ("learned").
-    """
-    if tokenizer is None:
-        return vocab_size, "learned", None
-    mid = getattr(tokenizer, "mask_token_id", None)
-    if mid is not None and 0 <= mid < vocab_size:
-        return int(mid), "tokenizer", getattr(tokenizer, "mask_token", None)
-    if len(tokenizer) < vocab_size:
-        return len(tokenizer), "unused_row", MASK_TOKEN_STRING
-    used = {int(i) for i in exclude}
-    used |= {int(i) for i in getattr(tokenizer, "all_special_ids", []) or []}
-    used |= _chat_template_ids(tokenizer)
-    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
-    specials = {int(i): t.content for i, t in decoder.items() if getattr(t, "special", False)}
-    free = sorted(i for i in specials if i not in used and 0 <= i < vocab_size)
-    if free:
-        return free[-1], "special", specials[free[-1]]
-    return vocab_size, "learned", None
-
-
-def _chat_template_ids(tokenizer: Any) -> set[int]:
-    """Ids the chat template itself emits (role markers, turn ends) on a small conversation."""
-    if not getattr(tokenizer, "chat_template", None):
-        return set()
-    probe = [
-        {"role": "system", "content": "s"},
-        {"role": "user", "content": "u"},
-        {"role": "assistant", "content": "a"},
-        {"role": "user", "content": "u"},
-    ]
-    try:
-        out = tokenizer.apply_chat_template(probe, tokenize=True, add_generation_prompt=True)
-    except Exception:  # a template that rejects the probe: fall back to the special-token exclusions
-        return set()
-    ids = out["input_ids"] if isinstance(out, Mapping) else out
-    return {int(i) for i in ids}
-
-
-# ----------------------------------------------------------------------------- config
-@dataclass(frozen=True)
-class DFlashConfig(SavedConfig):
-    """Everything needed to rebuild the drafter; sizes default to the target's (``from_target``); saved
-    with every checkpoint (``to_dict``)."""
-
-    target_layer_ids: tuple[int, ...]
-    num_target_layers: int
-    target_hidden_size: int
-    vocab_size: int  # the target's: the drafter drafts over the full target vocabulary
-    hidden_size: int  # must equal the target's (shared embedding and lm_head)
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    intermediate_size: int
-    mask_token_id: int  # learned: vocab_size (an extra row) in training, a target id once served
-    mask_source: str  # one of MASK_SOURCES
-    mask_token: str | None = None
-    num_layers: int = 1
-    block_size: int = 16
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 1_000_000.0
-    rope_scaling: dict | None = None  # non-default RoPE parameters of the target (HF rope_parameters)
-    max_position_embeddings: int = 32768
-    initializer_range: float = 0.02
-    target_model_type: str = "qwen3"  # recorded only: the served DFlash layer is a Qwen3 layer whatever the target
-
-    def __post_init__(self):
-        object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
-        if self.block_size < 2:
-            raise ValueError(f"DFlashConfig.block_size must be >= 2 (anchor + 1 draft), got {self.block_size}")
-        if self.num_layers < 1:
-            raise ValueError(f"DFlashConfig.num_layers must be >= 1, got {self.num_layers}")
-        if self.mask_source not in MASK_SOURCES:
-            raise ValueError(f"DFlashConfig.mask_source {self.mask_source!r} not in {MASK_SOURCES}")
-        # a learned row stands for an extra id past the vocabulary (training) or, once served, for a
-        # target id whose input embedding the draft replaces with it (the engines' mask_embedding.pt)
-        if self.mask_source == "learned" and not 0 <= self.mask_token_id <= self.vocab_size:
-            raise ValueError(f"DFlashConfig.mask_token_id {self.mask_token_id} outside [0, {self.vocab_size}] for a "
-                             "learned mask row")
-        if self.mask_source != "learned" and not 0 <= self.mask_token_id < self.vocab_size:
-            raise ValueError(f"DFlashConfig.mask_token_id {self.mask_token_id} outside [0, {self.vocab_size})")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError("DFlashConfig.num_attention_heads must be a multiple of num_key_value_heads")
-
-    @classmethod
-    def from_target(
-        cls,
-        target: Target,
-        num_layers: int = 1,
-        block_size: int = 16,
-        target_layer_ids: Sequence[int] | None = None,
-        mask_token_id: int | None = None,
-        **overrides: Any,
-    ) -> DFlashConfig:
-        """Config for ``target``: reference layer ids, the target's sizes, a mask token picked by
-        ``pick_mask_token`` (or ``mask_token_id``). ``overrides`` replace any other field."""
-        tc = target.config
-        ids = (list(target_layer_ids) if target_layer_ids
-               else default_target_layer_ids(target.num_layers, num_layers, distinct=True))
-        target.check_layer_ids(ids)
-        V = target.vocab_size
-        if mask_token_id is not None:
-            if not 0 <= mask_token_id < V:
-                raise ValueError(f"mask_token_id {mask_token_id} outside the target vocabulary [0, {V})")
-            tok = target.tokenizer
-            mask = (int(mask_token_id), "override", tok.convert_ids_to_tokens(int(mask_token_id)) if tok else None)
-        else:
-            exclude = target.eos_token_ids if target.tokenizer is not None else []
-            mask = pick_mask_token(target.tokenizer, V, exclude=exclude)
-        theta, scaling = rope_parameters(tc)
-        heads = tc.num_attention_heads
-        kw: dict[str, Any] = dict(
-            target_layer_ids=tuple(ids),
-            num_target_layers=target.num_layers,
-            target_hidden_size=target.hidden_size,
-            vocab_size=V,
-            hidden_size=target.hidden_size,
-            num_attention_heads=heads,
-            num_key_value_heads=getattr(tc, "num_key_value_heads", None) or heads,
-            head_dim=getattr(tc, "head_dim", None) or target.hidden_size // heads,
-            intermediate_size=tc.intermediate_size,
-            mask_token_id=mask[0],
-            mask_source=mask[1],
-            mask_token=mask[2],
-            num_layers=num_layers,
-            block_size=block_size,
-            rms_norm_eps=float(getattr(tc, "rms_norm_eps", 1e-6)),
-            rope_theta=theta,
-            rope_scaling=scaling,
-            max_position_embeddings=int(getattr(tc, "max_position_embeddings", 32768)),
-            target_model_type=str(getattr(tc, "model_type", "qwen3")),
-        )
-        kw.update(overrides)
-        return cls(**kw)
-
-    @property
-    def k(self) -> int:
-        """Drafted positions per chain (training) and per decode round: the block minus its anchor slot."""
-        return self.block_size - 1
 
 
 class Anchors(NamedTuple):
@@ -435,7 +268,8 @@ class DFlashDrafter(nn.Module):
         generator: torch.Generator | None = None,
         with_logits: bool = True,
     ) -> DraftOutput:
-        """All blocks of the batch in one pass -> DraftOutput with chains ``[B, A]`` and k = B - 1.
+        """All blocks of the batch in one pass -> DraftOutput with chains ``[B, A]`` and k = B - 1. One function:
+        its numbered steps (anchors, context K/V, masks, draft, target rows) hand their tensors straight on.
 
         ``batch``: input_ids / attention_mask / loss_mask ``[B, T]`` (attributes or keys).
         ``tout``: features ``[B, T, n*H_t]`` of ``target_layer_ids``; logits either ``[N, V]`` at
@@ -540,99 +374,6 @@ class DFlashDrafter(nn.Module):
         return DFlashSession(self, head, exit_threshold)
 
 
-class DFlashSession:
-    """Incremental drafting for one sequence (batch size 1).
-
-    ``extend`` appends committed positions (their target features) and sets the pending token;
-    ``propose`` drafts the block ``[pending, MASK x (B-1)]`` at positions ``n .. n+B-1`` in one pass.
-    The block's own keys are never cached: only committed context is, so nothing needs cropping.
-    """
-
-    def __init__(self, drafter: DFlashDrafter, head: AcceptHead | None = None, exit_threshold: float | None = None):
-        if exit_threshold is not None and head is None:
-            raise ValueError("exit_threshold needs an accept head")
-        self.drafter, self.head, self.exit_threshold = drafter, head, exit_threshold
-        self.length = 0  # committed positions in the context cache
-        self.pending: Tensor | None = None  # [1] the anchor token of the next block
-        self._k: list[Tensor] = []  # per layer [1, hkv, capacity, D]
-        self._v: list[Tensor] = []
-
-    @torch.no_grad()
-    def extend(self, features: Tensor, tokens: Tensor) -> None:
-        """features ``[m, n*H_t]`` at the next m positions; tokens ``[m]``, tokens[j] follows position j.
-
-        The last token is the pending one (not yet run by the target): the next block's anchor.
-        """
-        d = self.drafter
-        n_feat = len(d.target_layer_ids) * d.config.target_hidden_size
-        assert features.dim() == 2 and features.shape[1] == n_feat, (
-            f"features must be [m, {n_feat}], got {tuple(features.shape)}"
-        )
-        m = features.shape[0]
-        assert m >= 1 and tokens.shape == (m,), f"tokens must be [{m}], got {tuple(tokens.shape)}"
-        pos = torch.arange(self.length, self.length + m, device=features.device)[None]
-        kv = d.project_context(features[None], pos)
-        for i, (k, v) in enumerate(kv):
-            if i == len(self._k):
-                self._k.append(k.new_empty(1, k.shape[1], 0, k.shape[3]))
-                self._v.append(v.new_empty(1, v.shape[1], 0, v.shape[3]))
-            self._k[i] = _append(self._k[i], k, self.length)
-            self._v[i] = _append(self._v[i], v, self.length)
-        self.length += m
-        self.pending = tokens[-1:].to(device=features.device, dtype=torch.long)
-
-    @torch.no_grad()
-    def draft_block(self, k: int | None = None) -> tuple[Tensor, Tensor]:
-        """Run the block once -> (logits ``[k, V]`` float32, hidden ``[k, H]``) for slots 1..k
-        (default all B-1). The whole block runs either way (its slots attend to each other); only
-        the lm_head, the costly part of a draft on a 49k vocabulary, is limited to the k slots used."""
-        if self.pending is None:
-            raise RuntimeError("propose before extend: the session has no pending token")
-        d = self.drafter
-        Bs, n = d.block_size, self.length
-        dev = self.pending.device
-        ids = torch.full((1, Bs), d.mask_token_id, dtype=torch.long, device=dev)
-        ids[0, 0] = self.pending[0]
-        pos = torch.arange(n, n + Bs, device=dev)[None]
-        ctx = [(k[:, :, :n], v[:, :, :n]) for k, v in zip(self._k, self._v)]
-        k = d.k if k is None else k
-        hidden = d.run_block(ids, pos, ctx, mask=None)[0, 1 : 1 + k]  # everything committed is < n: no mask
-        return d.compute_logits(hidden), hidden
-
-    @torch.no_grad()
-    def propose(
-        self,
-        k: int,
-        *,
-        temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        generator: torch.Generator | None = None,
-    ) -> Proposal:
-        """Draft slots 1..k (k <= drafter.k = B-1). Greedy at temperature 0 (q None), else sample each slot from
-        ``q = warp_logits(logits)``. With an accept head, ``head_probs`` = sigmoid(head(hidden)); with
-        an exit threshold as well, keep only the leading slots whose survival under the head's rule
-        (``AcceptHead.prefix_alive``) is >= threshold (k' may be 0)."""
-        if not 0 <= k <= self.drafter.k:
-            raise ValueError(f"k must be in [0, {self.drafter.k}] (drafter.k = block_size - 1), got {k}")
-        logits, hidden = self.draft_block(k)  # [k, V], [k, H]
-        head_probs = None
-        if self.head is not None:
-            w = next(self.head.parameters(), None)
-            h = hidden.to(w.dtype) if w is not None else hidden
-            head_probs = torch.sigmoid(self.head(h).float())  # [k]
-            if self.exit_threshold is not None:  # the head's own rule (HEAD_RULES)
-                keep = int((self.head.prefix_alive(head_probs) >= self.exit_threshold).long().cumprod(0).sum())
-                logits, head_probs = logits[:keep], head_probs[:keep]
-        if temperature <= 0:
-            return Proposal(tokens=logits.argmax(-1), q=None, head_probs=head_probs)
-        if logits.shape[0] == 0:
-            return Proposal(tokens=logits.new_zeros(0, dtype=torch.long), q=logits, head_probs=head_probs)
-        q = warp_logits(logits, temperature, top_k, top_p)  # [k', V]
-        tokens = sample(q, generator)  # [k'], each slot from its own marginal
-        return Proposal(tokens=tokens, q=q, head_probs=head_probs)
-
-
 # ----------------------------------------------------------------------------- helpers
 def _batch_tensors(batch: Any) -> tuple[Tensor, Tensor, Tensor]:
     """(input_ids long, attention_mask bool, loss_mask bool), each ``[B, T]``; attributes or keys."""
@@ -652,17 +393,6 @@ def _gather_bt(x: Tensor, idx: Tensor) -> Tensor:
     """``x [B, T, ...]`` at ``idx [B, A, k]`` (per batch row) -> ``[B, A, k, ...]``."""
     B = x.shape[0]
     return x[torch.arange(B, device=x.device)[:, None, None], idx]
-
-
-def _append(buf: Tensor, new: Tensor, length: int) -> Tensor:
-    """Write ``new [1, h, m, D]`` at ``buf[:, :, length:]``, growing capacity by doubling."""
-    need = length + new.shape[2]
-    if need > buf.shape[2]:
-        grown = buf.new_empty(1, buf.shape[1], max(need, 2 * buf.shape[2], MIN_CACHE), buf.shape[3])
-        grown[:, :, :length] = buf[:, :, :length]
-        buf = grown
-    buf[:, :, length:need] = new
-    return buf
 
 
 __all__ = [

@@ -148,3 +148,29 @@ __all__ = [
     "rope_parameters",
     "rotate_half",
 ]
+
+
+def attention(
+    q: Tensor,  # [B, nkv, g, Q, hd]
+    k: Tensor,  # [B, nkv, S, hd]
+    v: Tensor,  # [B, nkv, S, hd]
+    visible: Tensor | None = None,  # bool, broadcastable to [B, nkv, g, Q, S]; True = may attend
+    k_diag: Tensor | None = None,  # [B, nkv, Q, J, hd]: J extra keys per query (the TTT diagonal), always visible
+    v_diag: Tensor | None = None,  # [B, nkv, Q, J, hd]
+) -> Tensor:  # [B, nkv, g, Q, hd]
+    """Softmax attention over shared keys plus per-query extra keys, softmax in float32.
+
+    Every query must see at least one key (callers guarantee it), else its row is NaN."""
+    scale = q.shape[-1] ** -0.5
+    s = torch.matmul(q, k.unsqueeze(-3).transpose(-1, -2)) * scale  # [B, nkv, g, Q, S]
+    if visible is not None:
+        s = s.masked_fill(~visible, float("-inf"))
+    if k_diag is not None:
+        sd = torch.einsum("bkgqd,bkqjd->bkgqj", q, k_diag) * scale  # [B, nkv, g, Q, J]
+        s = torch.cat([s, sd], dim=-1)
+    p = torch.softmax(s.float(), dim=-1).to(q.dtype)
+    S = k.shape[-2]
+    out = torch.matmul(p[..., :S], v.unsqueeze(-3))  # [B, nkv, g, Q, hd]
+    if k_diag is not None:
+        out = out + torch.einsum("bkgqj,bkqjd->bkgqd", p[..., S:], v_diag)
+    return out

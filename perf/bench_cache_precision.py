@@ -41,8 +41,9 @@ def main() -> int:
         torch.set_num_threads(args.threads)
 
     from vatspec import data as D
-    from vatspec.experiment import FEATURE_DTYPE, arm_configs, load_recipe, prepare_training_data, train_lockstep
+    from vatspec.experiment import FEATURE_DTYPE, arm_configs, prepare_training_data, train_lockstep
     from vatspec.features import config_layer_ids, write_cache
+    from vatspec.recipe import load_recipe
     from vatspec.stats import paired_difference
     from vatspec.target import open_target, vatspec_home
 

@@ -24,8 +24,9 @@ from timer import SideBySide
 
 from vatspec import data as D
 from vatspec.drafters import plan_batch
-from vatspec.experiment import arm_configs, load_recipe
+from vatspec.experiment import arm_configs
 from vatspec.features import CachedTarget, FeatureCache, config_layer_ids, drafter_layer_ids, write_cache
+from vatspec.recipe import load_recipe
 from vatspec.target import open_target, vatspec_home
 from vatspec.train import arm_step, build_arm, pad_id, shared_target_pass, step_generator, tokenize_items
 

@@ -34,7 +34,7 @@ def main() -> int:
     from vatspec.data import regenerate, tokenize_conversation
     from vatspec.data.records import Conversation
     from vatspec.data.regen import longest_first
-    from vatspec.experiment import load_recipe
+    from vatspec.recipe import load_recipe
     from vatspec.target import open_target
 
     size = load_recipe("demo").size

@@ -84,7 +84,8 @@ def main() -> int:
     from vatspec.benchmarks import prepare_prompts
     from vatspec.data import regenerate
     from vatspec.data.endpoints import regenerate_endpoints
-    from vatspec.experiment import REGEN_BATCH, load_recipe
+    from vatspec.experiment import REGEN_BATCH
+    from vatspec.recipe import load_recipe
     from vatspec.target import open_target, prepare_default_target
 
     size = load_recipe("demo").size

@@ -28,6 +28,7 @@ from vatspec.train import arm_step, build_arm, pad_id, shared_target_pass, step_
 
 
 def main() -> None:
+    """The bench, top to bottom (flags, data, arms, interleaved timing, report): a script, read once in order."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--drafter", default="eagle3", choices=["eagle3", "dflash"])
     ap.add_argument("--data", help="conversations file (default: 32 bundled prompts answered by the target, "
@@ -49,7 +50,8 @@ def main() -> None:
     if args.data:
         data = args.data
     else:
-        from vatspec.experiment import Size, prepare_training_data
+        from vatspec.experiment import prepare_training_data
+        from vatspec.recipe import Size
         from vatspec.target import vatspec_home
 
         data = str(prepare_training_data(target, Size(prompts=32, regen_tokens=128), vatspec_home(), False)[0])

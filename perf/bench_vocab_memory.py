@@ -11,7 +11,7 @@ The target is a random Llama built in code: vocabulary 152k (Qwen3's), hidden 64
 
     .venv/bin/python perf/bench_vocab_memory.py --chunks 0 64 256 1024   # DFlash 512x16, EAGLE-3 k=7 @ 2048
     .venv/bin/python perf/bench_vocab_memory.py --target ~/.cache/vatspec/targets/gemma-3-270m \\
-        --length 1024 --anchors 128 --chunks 0 64 256                        # after scripts/gemma3_270m.py
+        --length 1024 --anchors 128 --chunks 0 64 256                        # after tools/gemma3_270m.py
 """
 
 from __future__ import annotations

@@ -12,8 +12,9 @@ import math
 import pytest
 import torch
 
-from vatspec.experiment import ExperimentError, load_recipe, recipe_size, redecode, run
+from vatspec.experiment import redecode, run
 from vatspec.precision import native_bf16
+from vatspec.recipe import ExperimentError, load_recipe, recipe_size
 
 QUICK = load_recipe("demo-quick")
 ARMS = QUICK.arms

@@ -16,8 +16,8 @@ from vatspec import experiment
 from vatspec import report as R
 from vatspec.commands import demo, report
 from vatspec.drafters import DRAFTERS
-from vatspec.experiment import ExperimentError, load_recipe, recipe_size
 from vatspec.losses import BASELINE, KINDS
+from vatspec.recipe import ExperimentError, load_recipe, recipe_size
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

@@ -16,14 +16,14 @@ from pathlib import Path
 
 from vatspec import experiment
 from vatspec.commands import int_arg, report
-from vatspec.experiment import ExperimentError, load_recipe
+from vatspec.recipe import ExperimentError, load_recipe
 
 SIZE_FLAGS = ("steps", "prompts", "eval_prompts", "seeds", "original_answers", "precision")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     size = parser.add_mutually_exclusive_group()
-    size.add_argument("--quick", action="store_true", help="the ~3-minute smoke size (recipe demo-quick; CI runs it)")
+    size.add_argument("--quick", action="store_true", help="the ~2-minute smoke size (recipe demo-quick; CI runs it)")
     size.add_argument("--full", action="store_true",
                       help="the long recipe (demo-full): 512 conversations, 400 steps, 4 seeds per arm (<= 2 h on "
                            "2 cores)")

@@ -93,3 +93,29 @@ def use_template(target, args: argparse.Namespace):
     print(f"target {getattr(target, 'path', None)} on {getattr(target, 'device', '?')}, {dtype}; chat template "
           f"{args.chat_template or 'of the tokenizer'}, arguments {format_kwargs(template.kwargs)}", file=sys.stderr)
     return template
+
+
+def add_device_args(parser: argparse.ArgumentParser) -> None:
+    """``--device``, ``--dtype`` and ``--threads``, as the decoding commands take them."""
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default=None, type=dtype_arg, metavar=DTYPE_METAVAR,
+                        help="default: bfloat16 on a GPU, float32 on a CPU")
+    parser.add_argument("--threads", type=int_arg(1), default=None, help="torch intra-op threads (CPU)")
+
+
+def check_report_out(path, inputs: dict, ours, what: str) -> None:
+    """``--json PATH`` may replace only an earlier report of this command (``ours(old)`` on its JSON) and sits
+    apart from every input (an extra file in a served folder would make it an invalid export)."""
+    import json
+
+    from vatspec.outputs import OutputError, check_apart, check_file
+
+    check_file(path, "--json")
+    check_apart(path, inputs, "--json")
+    if path.exists():
+        try:
+            old = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            old = None
+        if not ours(old):
+            raise OutputError(f"--json {path} exists and is not an earlier {what}; choose another file")

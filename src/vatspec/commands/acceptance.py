@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from vatspec.checkpoint import CheckpointError
-from vatspec.commands import DTYPE_METAVAR, dtype_arg, int_arg, report
+from vatspec.commands import add_device_args, check_report_out, report
 from vatspec.config import ConfigError
 from vatspec.data import DataError
 from vatspec.outputs import OutputError, check_apart, check_file
@@ -50,10 +50,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default="default",
                         help="the target the drafts were trained for: a local HF folder, or 'default' (SmolLM2)")
     parser.add_argument("--json", metavar="FILE", help="also write each draft's figures here")
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--dtype", default=None, type=dtype_arg, metavar=DTYPE_METAVAR,
-                        help="default: bfloat16 on a GPU, float32 on a CPU")
-    parser.add_argument("--threads", type=int_arg(1), default=None, help="torch intra-op threads (CPU)")
+    add_device_args(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -75,7 +72,8 @@ def _run(args: argparse.Namespace) -> int:
     elif not answers.is_file():
         raise ValueError(f"--answers {answers} is a folder; expected a JSONL file of conversations")
     if args.json:
-        _check_json_out(Path(args.json), {"--answers": answers, **{f"{n}={r}": r for n, r in runs.items()}})
+        check_report_out(Path(args.json), {"--answers": answers, **{f"{n}={r}": r for n, r in runs.items()}},
+                         _ours, "acceptance report")
     if args.threads:
         torch.set_num_threads(args.threads)
     target = open_target(args.target, device=args.device, dtype=args.dtype)
@@ -202,16 +200,7 @@ def _parse_pair(spec: str, runs: dict[str, str]) -> tuple[str, str]:
     return a, b
 
 
-def _check_json_out(path: Path, inputs: dict) -> None:
-    """--json may replace only an earlier acceptance report, and sits apart from every input."""
-    check_file(path, "--json")
-    check_apart(path, inputs, "--json")
-    if path.exists():
-        try:
-            old = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-            old = None
-        ours = isinstance(old, dict) and old and all(
-            isinstance(v, dict) and {"accepted", "chains", "tau_sim"} <= set(v) for v in old.values())
-        if not ours:
-            raise OutputError(f"--json {path} exists and is not an earlier acceptance report; choose another file")
+def _ours(old) -> bool:
+    """An earlier acceptance report: each draft's figures."""
+    return isinstance(old, dict) and bool(old) and all(
+        isinstance(v, dict) and {"accepted", "chains", "tau_sim"} <= set(v) for v in old.values())

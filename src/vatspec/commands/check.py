@@ -12,15 +12,13 @@ import json
 import math
 from pathlib import Path
 
-import torch
-
 from vatspec import benchmarks, data
 from vatspec.bench import prompt_ids
 from vatspec.check import check_draft
-from vatspec.commands import DTYPE_METAVAR, add_template_args, dtype_arg, report, use_template
+from vatspec.commands import add_device_args, add_template_args, check_report_out, report, use_template
 from vatspec.data import DataError
 from vatspec.data.chat import format_kwargs
-from vatspec.outputs import OutputError, check_apart, check_file
+from vatspec.outputs import OutputError
 from vatspec.target import TargetError, open_target
 
 
@@ -34,9 +32,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--no-measure", action="store_true", help="conventions only: decode nothing")
     parser.add_argument("--json", metavar="FILE", help="also write the report as JSON")
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--dtype", default=None, type=dtype_arg, metavar=DTYPE_METAVAR,
-                        help="default: bfloat16 on a GPU, float32 on a CPU")
+    add_device_args(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -45,9 +41,15 @@ def run(args: argparse.Namespace) -> int:
         return report("check", ValueError(f"{folder}: no config.json (not a served draft folder)"))
     if args.num_prompts < 1 or args.max_new_tokens < 1:
         return report("check", ValueError("--num-prompts and --max-new-tokens must be >= 1"))
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     try:
         if args.json:
-            _check_json_out(Path(args.json), {"FOLDER": folder, "--prompts": args.prompts})
+            check_report_out(Path(args.json), {"FOLDER": folder, "--prompts": args.prompts},  # never in FOLDER
+                             lambda old: isinstance(old, dict) and {"folder", "format", "ok", "findings"} <= set(old),
+                             "check report")
     except OutputError as e:
         return report("check", e)
     try:
@@ -78,20 +80,6 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(rep.to_dict(), indent=2) + "\n")
     return 0 if not failed else 1
-
-
-def _check_json_out(path: Path, inputs: dict) -> None:
-    """--json may replace only an earlier check report, and never sits in the checked folder (an
-    extra file there would make the folder an invalid export)."""
-    check_file(path, "--json")
-    check_apart(path, inputs, "--json")
-    if path.exists():
-        try:
-            old = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-            old = None
-        if not (isinstance(old, dict) and {"folder", "format", "ok", "findings"} <= set(old)):
-            raise OutputError(f"--json {path} exists and is not an earlier check report; choose another file")
 
 
 def _prompts(args: argparse.Namespace, target) -> list[list[int]]:

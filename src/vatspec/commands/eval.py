@@ -16,12 +16,12 @@ from vatspec import benchmarks, data
 from vatspec.bench import AR, HF, evaluate, prompt_ids, write_report
 from vatspec.calibrate import calibrate
 from vatspec.checkpoint import CheckpointError
-from vatspec.commands import DTYPE_METAVAR, add_template_args, dtype_arg, float_arg, int_arg, report, use_template
+from vatspec.commands import add_device_args, add_template_args, float_arg, int_arg, report, use_template
 from vatspec.data import DataError
 from vatspec.data.chat import check_settings
 from vatspec.drafts import open_draft
 from vatspec.export.record import recorded_template
-from vatspec.outputs import OutputError, check_apart, check_folder, claim_folder, mark_folder
+from vatspec.outputs import OutputError, check_apart, check_folder, claim_folder
 from vatspec.target import TargetError, open_target
 
 
@@ -55,10 +55,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-hf", action="store_true", help="skip the HF generate() baseline")
     parser.add_argument("--no-plots", action="store_true")
     parser.add_argument("--out", default="runs/eval", help="output folder (new, empty, or an earlier eval's)")
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--dtype", default=None, type=dtype_arg, metavar=DTYPE_METAVAR,
-                        help="default: bfloat16 on a GPU, float32 on a CPU")
-    parser.add_argument("--threads", type=int_arg(1), default=None, help="torch intra-op threads (CPU)")
+    add_device_args(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -76,8 +73,6 @@ def _run(args: argparse.Namespace) -> int:
     inputs.update({f"--prompts {f}": f for f in args.prompts})
     inputs.update({"--calibration": args.calibration, "--target": args.target if Path(args.target).exists() else None})
     check_apart(args.out, inputs, "--out")
-    if _earlier_report(Path(args.out)):
-        mark_folder(args.out, "eval")
     check_folder(args.out, "eval", "--out")
     target = open_target(args.target, device=args.device, dtype=args.dtype)
     use_template(target, args)
@@ -130,13 +125,6 @@ def _run(args: argparse.Namespace) -> int:
     print(paths["markdown"].read_text())
     print("wrote " + ", ".join(str(p) for p in paths.values()))
     return 0
-
-
-def _earlier_report(out: Path) -> bool:
-    """A report folder of an eval from before owner files: results.json, results.md and plots, nothing else."""
-    names = {p.name for p in out.iterdir()} if out.is_dir() else set()
-    return {"results.json", "results.md"} <= names and all(n.startswith("results.") or n.endswith(".png")
-                                                            for n in names)
 
 
 def _k_arg(text: str) -> int | str:

@@ -500,9 +500,9 @@ def test_a_bf16_cache_trains_as_online_bf16_training(tiny_dir, target, data_file
             assert _flat(rb, keys) == pytest.approx(_flat(ra, keys), rel=BF16_LOSS_RTOL, abs=1e-6, nan_ok=True), k
 
 
-def test_a_cache_from_before_precision_was_recorded_is_fp32(target, data_file, cache_dir, tmp_path):
-    """A manifest without ``precision`` (written before it was recorded) ran in float32: it resumes as one,
-    and a bf16 write into it is refused."""
+def test_a_cache_without_a_recorded_precision_is_refused(target, data_file, cache_dir, tmp_path):
+    """A manifest without ``precision`` (an older vatspec's) is refused for reading and for resuming a write,
+    in one line; an unknown precision is refused before anything is written."""
     import shutil
 
     out = tmp_path / "old"
@@ -510,10 +510,10 @@ def test_a_cache_from_before_precision_was_recorded_is_fp32(target, data_file, c
     man = json.loads((out / "manifest.json").read_text())
     del man["precision"]
     (out / "manifest.json").write_text(json.dumps(man))
-    assert _write(target, data_file, out)["written"]["shards"] == 0
-    assert FeatureCache(out).precision == "fp32"
+    with pytest.raises(FeatureCacheError, match="the manifest records no precision"):
+        FeatureCache(out)
     with pytest.raises(FeatureCacheError, match="precision differs"):
-        _write(target, data_file, out, precision="bf16")
+        _write(target, data_file, out)
     with pytest.raises(FeatureCacheError, match="precision 'fp16' is not one of fp32, bf16"):
         _write(target, data_file, tmp_path / "new", precision="fp16")
     assert not (tmp_path / "new").exists()

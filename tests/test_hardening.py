@@ -300,20 +300,24 @@ def test_export_force_replaces_an_earlier_export(tmp_path, target_dir, runs, cap
 
 
 def test_eval_writes_again_into_its_own_report_folder(tmp_path, target_dir, capsys):
-    """An eval report folder from before owner files is recognised by its files; a user's is not."""
+    """eval writes again into a folder it made (its owner file), the user's files in it kept; a folder
+    it did not make (no owner file: an unowned earlier report included) is refused."""
     from vatspec.outputs import owner
 
+    args = ["eval", "--target", target_dir, "--bench", "gsm8k", "--num-prompts", "1", "--max-new-tokens", "4",
+            "--warmup", "0", "--no-hf", "--no-plots"]
+    out = tmp_path / "out"
+    rc, text = cli([*args, "--out", out], capsys)
+    assert rc == 0, text
+    assert owner(out) == "eval" and json.loads((out / "results.json").read_text())["benchmarks"] == {"gsm8k": 1}
+    (out / "notes.txt").write_text("mine")  # an owned folder with the user's file in it: still eval's
+    assert cli([*args, "--out", out], capsys)[0] == 0 and (out / "notes.txt").read_text() == "mine"
     old = tmp_path / "old"
     old.mkdir()
     for name in ("results.json", "results.md", "tau.png"):
         (old / name).write_text("an earlier report")
-    args = ["eval", "--target", target_dir, "--bench", "gsm8k", "--num-prompts", "1", "--max-new-tokens", "4",
-            "--warmup", "0", "--no-hf", "--no-plots"]
     rc, text = cli([*args, "--out", old], capsys)
-    assert rc == 0, text
-    assert owner(old) == "eval" and json.loads((old / "results.json").read_text())["benchmarks"] == {"gsm8k": 1}
-    (old / "notes.txt").write_text("mine")  # an owned folder with the user's file in it: still eval's
-    assert cli([*args, "--out", old], capsys)[0] == 0 and (old / "notes.txt").read_text() == "mine"
+    assert rc == 2 and "not made by vatspec eval" in text and (old / "results.md").read_text() == "an earlier report"
 
 
 def test_debug_shows_the_traceback(tmp_path, capsys):

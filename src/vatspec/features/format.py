@@ -37,7 +37,6 @@ STORAGE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32
 # the arithmetic of the target pass (``train.precision``'s values): fp32 = the target's own dtype, bf16 = under
 # bfloat16 autocast, as online training runs it at train.precision=bf16
 PRECISIONS = ("fp32", "bf16")
-OLD_PRECISION = "fp32"  # what a cache written before the manifest recorded its precision ran in
 GiB = 1 << 30
 # config keys that say nothing about the computation (names, versions, the load dtype, HF flags)
 _VOLATILE_CONFIG_KEYS = {"transformers_version", "torch_dtype", "dtype", "name_or_path", "use_cache",
@@ -65,9 +64,11 @@ def storage_dtype(name: str) -> torch.dtype:
 
 
 def manifest_precision(manifest: dict) -> str:
-    """The arithmetic the cache's target pass ran in: the manifest's ``precision`` (``OLD_PRECISION``
-    for a cache written before the field was recorded)."""
-    return manifest.get("precision", OLD_PRECISION)
+    """The arithmetic the cache's target pass ran in (the manifest's ``precision``)."""
+    if "precision" not in manifest:
+        raise FeatureCacheError("the manifest records no precision (an older vatspec wrote it): rebuild the cache "
+                                "with vatspec cache-features")
+    return manifest["precision"]
 
 
 def bytes_per_token(num_layers: int, hidden_size: int, dtype: str) -> int:

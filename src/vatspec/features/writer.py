@@ -32,7 +32,6 @@ from vatspec.features.format import (
     INDEX,
     MANIFEST,
     MASK_KEY,
-    OLD_PRECISION,
     PRECISIONS,
     FeatureCacheError,
     atomic_write,
@@ -56,8 +55,6 @@ from vatspec.outputs import user_mode
 # manifest fields a restart must find unchanged (the rest are outcomes: sizes, checksums, timings)
 SETTINGS = ("target", "tokenizer_sha256", "chat_template_sha256", "chat_template_kwargs", "layer_ids", "dtype",
             "precision", "max_length", "source", "shard_size")
-# a setting a cache written before it was recorded holds at this value
-_SETTING_DEFAULTS = {"precision": OLD_PRECISION, "chat_template_kwargs": {}}
 
 
 def plan_shards(lengths: Sequence[int], bytes_per_tok: int, shard_size: int) -> list[tuple[int, int]]:
@@ -93,13 +90,15 @@ def write_cache(
     on_shard: Callable[[int], None] | None = None,
 ) -> dict:
     """Run ``target`` over ``convs`` (every one, in order: the training split is computed on this
-    list) and write the cache to ``out``; return its manifest (complete when ``finalize``).
+    list) and write the cache to ``out``; return its manifest (complete when ``finalize``). One function:
+    the checks, the plan, the resume state and the shard loop all read the same manifest in order.
 
     layer_ids:  captured layers (this project's ids: output of layer i), stored sorted, no repeats.
     dtype:      storage dtype of the features and hidden states: bfloat16 | float16 | float32.
     precision:  the target pass's arithmetic: ``fp32`` (the target's dtype) or ``bf16`` (bfloat16 autocast,
                 as ``train.precision=bf16`` runs the target online: a run at that precision then trains
-                from the cache as it would online; 1.5-1.8x faster on a CPU with AVX512-BF16).
+                from the cache as it would online; faster where the CPU multiplies bf16 in hardware,
+                AVX512-BF16 or AMX).
     shard_size: bytes per shard file (a shard holds whole conversations, at least one).
     batch_size: conversations per target forward (within a shard, longest first, to pad little).
     on_shard:   called with k after shard k is in place (tests use it to simulate a kill).
@@ -242,7 +241,7 @@ def _resume_state(out: Path, manifest: dict) -> dict | None:
         return None
     old = read_manifest(out)
     for key in SETTINGS:
-        if _setting(old.get(key, _SETTING_DEFAULTS.get(key))) != _setting(manifest[key]):
+        if key not in old or _setting(old[key]) != _setting(manifest[key]):
             raise FeatureCacheError(f"{out} holds a cache written with other settings ({key} differs); "
                                     "choose another --out, or delete it to rebuild")
     if not old.get("complete"):

@@ -10,15 +10,15 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-TOOLS, PERF, SCRIPTS = ROOT / "tools", ROOT / "perf", ROOT / "scripts"  # tools users run, benches, the rest
+TOOLS, PERF = ROOT / "tools", ROOT / "perf"  # what users run beside the CLI; benches
 
 
 def load_script(name: str):
-    """<name>.py of tools/, perf/ or scripts/ as a module, imported as when run from its folder (so it finds
-    the files beside it: a bench its ``timer``)."""
-    folder = next((d for d in (TOOLS, PERF, SCRIPTS) if (d / f"{name}.py").is_file()), None)
+    """<name>.py of tools/ or perf/ as a module, imported as when run from its folder (so it finds the files
+    beside it: a bench its ``timer``)."""
+    folder = next((d for d in (TOOLS, PERF) if (d / f"{name}.py").is_file()), None)
     if folder is None:
-        raise FileNotFoundError(f"{name}.py: in none of tools/, perf/, scripts/")
+        raise FileNotFoundError(f"{name}.py: in neither tools/ nor perf/")
     sys.path.insert(0, str(folder))
     try:
         spec = importlib.util.spec_from_file_location(name, folder / f"{name}.py")

@@ -11,7 +11,7 @@
 3. Each draft decodes ``--prompts`` bundled MT-Bench prompts greedily; the output must equal the
    target's own greedy decoding (``vatspec.decode.generate`` with ``drafter=None``).
 
-    .venv/bin/python scripts/gemma3_270m.py --steps 24 --out runs/gemma     # ~8 min on 2 CPU cores
+    .venv/bin/python tools/gemma3_270m.py --steps 24 --out runs/gemma     # ~8 min on 2 CPU cores
 """
 
 from __future__ import annotations

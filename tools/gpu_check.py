@@ -175,6 +175,8 @@ def write_report(out: Path, report: dict, t_start: float) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The check, top to bottom (flags, then each target shape's steps, then the JSON): one script, read in order
+    on the GPU machine, where a failure's traceback must point at the step that failed."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="gpu_check.json")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

@@ -25,8 +25,8 @@ rounds are resampled with replacement (a bootstrap of the survival curve; the ro
 medians of interleaved timings and are held fixed), and, from k = 1 upwards, a larger k replaces
 the current choice only when it is faster in at least ``confidence`` (95%) of the resamples. Rounds
 of one prompt are correlated, so this interval is if anything narrow: the rule still leans to the
-longer k less than the point estimate does, which is the side the measurements favour (a k = 3
-chosen on a 0.01 lead decoded the benchmarks slower than k = 1 would have; docs/results.md).
+longer k less than the point estimate does, on purpose: a longer k chosen on a lead inside the noise
+decodes slower than the shorter one would have (docs/results.md, "Every lever at a glance").
 
     cal = calibrate(target, drafter, calibration_prompts)      # held-out prompts, never the benchmarks
     generate(target, ids, drafter, k=cal.k)

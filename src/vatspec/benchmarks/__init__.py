@@ -1,6 +1,6 @@
 """Bundled prompt sets: the evaluation benchmarks, and the demo's training prompts.
 
-Evaluation sets (JSONL files in this folder, built by ``scripts/extract_benchmarks.py``;
+Evaluation sets (JSONL files in this folder, built by ``tools/extract_benchmarks.py``;
 sources and licenses in ``SOURCES.md``):
 
     mt_bench    80 two-turn questions (first turn by default, ``turns="all"`` for both)
@@ -209,8 +209,9 @@ def prepare_prompts(
     Each result is a prompt-only conversation (system and user turns; ``vatspec regenerate``
     adds the target's responses), or with ``answers`` the corpus's own conversation with its
     original assistant turns: training needs no regeneration then, since the soft and hard labels
-    come from the target's logits at every position (docs/results.md measures both). Only ShareGPT
-    has answers. ``max_turns`` and ``max_chars`` as in ``pick_prompts``. Written as JSONL
+    come from the target's logits at every position. The demo trains on regenerated answers and keeps
+    original ones an option, off (``--original-answers``; docs/results.md). Only ShareGPT has answers.
+    ``max_turns`` and ``max_chars`` as in ``pick_prompts``. Written as JSONL
     (``{"id", "messages", "meta"}``) to ``out`` when given.
     """
     corpus: list[Conversation] = []

@@ -157,7 +157,8 @@ def regenerate_endpoints(
 ) -> RegenStats:
     """``regenerate`` through servers (module docstring); returns the counts (``retried``, ``failed``,
     ``truncated_turns``: cut at ``max_tokens``). ``tokenizer`` renders the prompts locally to count
-    them (``max_prompt_tokens``, ``max_length``) as the in-process path does."""
+    them (``max_prompt_tokens``, ``max_length``) as the in-process path does. One function: the output file,
+    the failure file, the workers and the result queue live exactly as long as each other."""
     from tqdm.auto import tqdm
 
     template = template or ChatTemplate()

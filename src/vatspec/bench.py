@@ -136,7 +136,9 @@ def evaluate(
     hf_baseline: bool = True,
     progress: bool = True,
 ) -> dict:
-    """Measure every method against the AR baseline (and HF ``generate``) on every prompt.
+    """Measure every method against the AR baseline (and HF ``generate``) on every prompt. One function: the
+    interleaved run order, the warm-up and the per-prompt records are one loop, so every method sees the same
+    machine state.
 
     methods:          name -> (drafter | None, accept head | None); a None drafter runs AR again
                       (its speedup shows the measurement noise).

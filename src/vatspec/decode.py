@@ -177,7 +177,8 @@ def generate(
     exit_threshold: float | None = None,
     generator: torch.Generator | None = None,
 ) -> GenerationResult:
-    """Decode up to ``max_new_tokens`` after ``prompt_ids`` ([T] or [1, T]); batch size 1.
+    """Decode up to ``max_new_tokens`` after ``prompt_ids`` ([T] or [1, T]); batch size 1. One function: the
+    round (draft, verify, accept, roll the caches back) is the timed unit, its state and timers shared.
 
     ``drafter=None`` runs the autoregressive baseline through the same loop (k = 0). ``k`` is the number
     of tokens drafted per round (default ``drafter.k``: DFlash fills its block, EAGLE-3 unrolls as many

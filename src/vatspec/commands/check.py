@@ -12,6 +12,8 @@ import json
 import math
 from pathlib import Path
 
+import torch
+
 from vatspec import benchmarks, data
 from vatspec.bench import prompt_ids
 from vatspec.check import check_draft
@@ -42,8 +44,6 @@ def run(args: argparse.Namespace) -> int:
     if args.num_prompts < 1 or args.max_new_tokens < 1:
         return report("check", ValueError("--num-prompts and --max-new-tokens must be >= 1"))
     if args.threads:
-        import torch
-
         torch.set_num_threads(args.threads)
     try:
         if args.json:

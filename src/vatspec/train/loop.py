@@ -77,10 +77,15 @@ def train_arms(cfgs: list[Config], *, resume: bool = False, init_from: str | Non
             checked(cache.check_run, data.target, who, dcfg.max_length, where=src, root=cache.root)
         step = run.resume(arms, data.batches, data.total, with_changes)
         if step is None:  # a finished run: nothing to do, nothing written
-            D.release_group(owned)
-            return run.final_metrics()
-        run.start(arms, data.stats, step)
-        finals = _loop(arms, data, run, step, rank=rank, world=world, device=device, progress=progress, on_log=on_log)
+            finals = run.final_metrics()
+        else:
+            run.start(arms, data.stats, step)
+            finals = _loop(arms, data, run, step, rank=rank, world=world, device=device, progress=progress,
+                           on_log=on_log)
+        # DDP's reducers hold the process group: they go before it is destroyed (a gloo group destroyed first can
+        # hang in the reducer's destructor)
+        arms.clear()
+        run.drift.clear()
     D.release_group(owned)
     return finals
 

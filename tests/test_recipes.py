@@ -46,3 +46,13 @@ def test_a_bad_recipe_is_one_line_naming_the_file(tmp_path):
     typo.write_text("base: " + str(recipe_dir() / "demo.yaml") + "\nsize:\n  stepz: 3\n")
     with pytest.raises(ExperimentError, match="typo.yaml: size: .*stepz"):
         load_recipe(typo)
+
+
+def test_demo_refuses_a_recipe_it_cannot_size_or_fill(tmp_path, capsys):
+    from vatspec.cli import main
+
+    assert main(["demo", "--recipe", "ablation", "--quick", "--out", str(tmp_path / "a")]) == 2
+    assert "--recipe ablation brings its own size: drop --quick / --full" in capsys.readouterr().err
+    assert main(["demo", "--recipe", "ablation", "--out", str(tmp_path / "b")]) == 2
+    assert "its arms name {drafter}: run it with a drafter" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

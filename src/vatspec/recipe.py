@@ -120,6 +120,9 @@ def load_recipe(name: str | Path, *, drafter: str | None = None, arms: list[str]
         sz = Size(**sized)
     except TypeError as e:
         raise ExperimentError(f"{raw['_file']}: size: {e}") from None
+    if drafter is None and "{drafter}" in str([raw.get("arms"), raw.get("arm_template")]):
+        raise ExperimentError(f"{raw['_file']}: its arms name {{drafter}}: run it with a drafter "
+                              "(vatspec ablate --drafter KIND --recipe ...)")
     fill = {"drafter": drafter or ""}
     if "arm_template" in raw:  # the arms are the loss kinds asked for, the drafter's baseline first
         if not arms:

@@ -60,6 +60,9 @@ def run(args: argparse.Namespace) -> int:
                                       f"{' '.join(sized)}")
             experiment.redecode(Path(args.out), threads=args.threads, progress=not args.no_progress)
         else:
+            if args.recipe and (args.quick or args.full):
+                raise ExperimentError(f"--recipe {args.recipe} brings its own size: drop --quick / --full (--steps, "
+                                      "--prompts, --eval-prompts, --seeds, --original-answers, --precision change it)")
             recipe = load_recipe(args.recipe or size_name(args), size=size_changes(args))
             experiment.run(recipe, Path(args.out), threads=args.threads, progress=not args.no_progress)
     except ExperimentError as e:

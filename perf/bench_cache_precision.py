@@ -40,10 +40,10 @@ def main() -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
 
+    from recipes.experiment import FEATURE_DTYPE, arm_configs, prepare_training_data, train_lockstep
+    from recipes.recipe import load_recipe
     from vatspec import data as D
-    from vatspec.experiment import FEATURE_DTYPE, arm_configs, prepare_training_data, train_lockstep
     from vatspec.features import config_layer_ids, write_cache
-    from vatspec.recipe import load_recipe
     from vatspec.stats import paired_difference
     from vatspec.target import open_target, vatspec_home
 

@@ -35,14 +35,14 @@ from pathlib import Path
 import torch
 from timer import SideBySide
 
+from recipes.experiment import arm_configs
+from recipes.recipe import load_recipe
 from vatspec import data as D
 from vatspec.chunked import TeacherShare
 from vatspec.data import BatchIterator
 from vatspec.drafters import plan_batch
-from vatspec.experiment import arm_configs
 from vatspec.features import CachedTarget, FeatureCache
 from vatspec.precision import precision_context
-from vatspec.recipe import load_recipe
 from vatspec.target import open_target, vatspec_home
 from vatspec.train import (
     MIN_SUPERVISED,

@@ -81,11 +81,11 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=1, help="rounds of the three ways")
     args = ap.parse_args()
 
+    from recipes.experiment import REGEN_BATCH
+    from recipes.recipe import load_recipe
     from vatspec.benchmarks import prepare_prompts
     from vatspec.data import regenerate
     from vatspec.data.endpoints import regenerate_endpoints
-    from vatspec.experiment import REGEN_BATCH
-    from vatspec.recipe import load_recipe
     from vatspec.target import open_target, prepare_default_target
 
     size = load_recipe("demo").size

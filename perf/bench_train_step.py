@@ -50,8 +50,8 @@ def main() -> None:
     if args.data:
         data = args.data
     else:
-        from vatspec.experiment import prepare_training_data
-        from vatspec.recipe import Size
+        from recipes.experiment import prepare_training_data
+        from recipes.recipe import Size
         from vatspec.target import vatspec_home
 
         data = str(prepare_training_data(target, Size(prompts=32, regen_tokens=128), vatspec_home(), False)[0])

@@ -91,7 +91,7 @@ def test_demo_redecode_refuses_a_size_and_needs_a_finished_demo(tmp_path, capsys
 
 def test_demo_sizes_full_and_seeds(capsys):
     """--quick / --full pick the recipe (demo-quick, demo-full: the long recipe); the size flags change it."""
-    from vatspec.recipe import load_recipe
+    from recipes.recipe import load_recipe
 
     mod = command_module("demo")
     parser = argparse.ArgumentParser()

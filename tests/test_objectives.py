@@ -323,8 +323,8 @@ def test_quick_objectives_run_reports_every_arm(tmp_path):
 
     import yaml
 
-    from vatspec.experiment import run
-    from vatspec.recipe import load_recipe, recipe_size
+    from recipes.experiment import run
+    from recipes.recipe import load_recipe, recipe_size
 
     size = {**recipe_size("demo-quick"), "steps": 2, "eval_every": 2, "benches": ["gsm8k"], "eval_tokens": 16}
     recipe = load_recipe("objectives", drafter="dflash", arms=["dflash", "lk", "specauf"], size=size)

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from vatspec.experiment import arm_configs
-from vatspec.recipe import ExperimentError, load_recipe, recipe_dir
+from recipes.experiment import arm_configs
+from recipes.recipe import ExperimentError, load_recipe, recipe_dir
 
 RECIPES = sorted(p.stem for p in recipe_dir().glob("*.yaml"))
 

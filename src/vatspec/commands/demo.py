@@ -1,6 +1,6 @@
 """``vatspec demo``: baselines vs VAT for both drafters on the embedded default target, written as a
 report folder: the recipe ``demo`` (``--quick``: ``demo-quick``; ``--full``: ``demo-full``, the long
-recipe) run by ``vatspec.experiment.run``; ``--recipe`` runs any other experiment recipe.
+recipe) run by ``recipes.experiment.run``; ``--recipe`` runs any other experiment recipe.
 
     vatspec demo [--quick | --full] [--seeds N] [--original-answers N] [--out reports/demo]
     vatspec demo --recipe recipes/experiments/my-arms.yaml --out reports/mine
@@ -14,9 +14,9 @@ import logging
 import sys
 from pathlib import Path
 
-from vatspec import experiment
+from recipes import experiment
+from recipes.recipe import ExperimentError, load_recipe
 from vatspec.commands import int_arg, report
-from vatspec.recipe import ExperimentError, load_recipe
 
 SIZE_FLAGS = ("steps", "prompts", "eval_prompts", "seeds", "original_answers", "precision")
 
@@ -81,10 +81,10 @@ def size_changes(args: argparse.Namespace) -> dict:
 
 
 def show_steps(command: str) -> None:
-    """Print the runner's step log (``vatspec.experiment``) on stderr as ``[vatspec COMMAND HH:MM:SS] ...``."""
+    """Print the runner's step log (``recipes.experiment``) on stderr as ``[vatspec COMMAND HH:MM:SS] ...``."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter(f"[vatspec {command} %(asctime)s] %(message)s", "%H:%M:%S"))
-    logger = logging.getLogger("vatspec.experiment")
+    logger = logging.getLogger("recipes.experiment")
     logger.handlers[:] = [handler]
     logger.setLevel(logging.INFO)
     logger.propagate = False

@@ -33,8 +33,8 @@ from pathlib import Path
 
 import torch
 
-from vatspec.recipe import ExperimentError, Recipe, Size
-from vatspec.report import slug
+from recipes.recipe import ExperimentError, Recipe, Size
+from recipes.report import slug
 
 log = logging.getLogger(__name__)  # the steps as they run; the commands print them to stderr
 
@@ -276,7 +276,8 @@ def decode_and_report(recipe: Recipe, out: Path, target, cfgs: dict, trained: di
                       t_start: float, progress: bool = True) -> dict:
     """Steps 4-5: decode every trained arm (``cfgs``: result name -> its run config) at its calibrated k, then
     the summary and the report. ``trained``: the data and training figures of steps 2-3."""
-    from vatspec import bench, report
+    from recipes import report
+    from vatspec import bench
     from vatspec.benchmarks import load_benchmark
     from vatspec.drafts import open_draft
 

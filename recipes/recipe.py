@@ -16,7 +16,6 @@ decoding chooses k and which report it writes. ``base:`` reads another recipe fi
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -102,9 +101,8 @@ class Recipe:
 
 
 def recipe_dir() -> Path:
-    """``recipes/experiments`` of the source tree, else the copy an installed package put under its prefix."""
-    here = Path(__file__).resolve().parents[2] / "recipes" / "experiments"
-    return here if here.is_dir() else Path(sys.prefix) / "share" / "vatspec" / "recipes" / "experiments"
+    """The experiment recipes: ``experiments/`` beside this file."""
+    return Path(__file__).resolve().parent / "experiments"
 
 
 def load_recipe(name: str | Path, *, drafter: str | None = None, arms: list[str] | None = None,

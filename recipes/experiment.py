@@ -94,6 +94,7 @@ def prepare_features(target, data_path: Path, cfgs, progress: bool = True) -> tu
     layers every config of ``cfgs`` reads; written once, reused while it fits, rebuilt when it does not."""
     from vatspec import data as D
     from vatspec.features import FeatureCacheError, config_layer_ids, write_cache
+    from vatspec.features.format import CacheWriteError
 
     max_length, precision = cfgs[0].data.max_length, cfgs[0].train.precision
     out = data_path.with_name(f"{data_path.stem}.features-m{max_length}")
@@ -103,6 +104,8 @@ def prepare_features(target, data_path: Path, cfgs, progress: bool = True) -> tu
           "source": str(data_path), "progress": progress}
     try:
         man = write_cache(target, convs, out, **kw)
+    except CacheWriteError:  # a full disk: what was written stays, to resume
+        raise
     except FeatureCacheError as e:  # an earlier run's cache for other data or layers: the runner owns it
         log.info(f"    rebuilding the feature cache ({e})")
         shutil.rmtree(out)
@@ -249,8 +252,10 @@ def redecode(out: Path, *, threads: int | None = None, progress: bool = True) ->
         timings = {k: spent[k] for k in ("target", "data", "features", "train")}
         before_decoding = spent["total"] - spent["eval"]
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ExperimentError(f"{record}: not the record of a finished demo ({type(e).__name__}: {e}); "
-                              "run `vatspec demo` there first") from None
+        why = "written before runs recorded their recipe" if isinstance(e, KeyError) and "recipe" in str(e) else \
+            f"{type(e).__name__}: {e}"
+        raise ExperimentError(f"{record}: not the record of a finished demo ({why}); run `vatspec demo` there "
+                              "first") from None
     if threads:
         torch.set_num_threads(threads)
     log.info(f"re-decoding the drafts of {out} ({recipe.size.steps} steps, {recipe.size.seeds} seed(s)); "
@@ -323,11 +328,14 @@ def choose_k(recipe: Recipe, target, methods: dict, cfgs: dict) -> dict[str, dic
     from vatspec.calibrate import calibrate
     from vatspec.train import heldout_split
 
-    def chooser(name: str) -> str:
+    pairs = recipe.seed_pairs()
+
+    def chooser(name: str) -> str:  # one_k: the first arm; per_pair: the root of the arm's chain of pairs
         if recipe.decode == "one_k":
             return next(iter(cfgs))
-        pairs = recipe.seed_pairs()
-        return pairs.get(name, name)
+        while name in pairs:
+            name = pairs[name]
+        return name
 
     out: dict[str, dict] = {}
     for name in cfgs:

@@ -136,6 +136,8 @@ def load_recipe(name: str | Path, *, drafter: str | None = None, arms: list[str]
     bad = ([f"report {recipe.report!r} is not one of {REPORTS}"] * (recipe.report not in REPORTS)
            + [f"decode {recipe.decode!r} is not one of {DECODES}"] * (recipe.decode not in DECODES)
            + [f"pairs: {a} -> {b}: not an arm" for a, b in recipe.pairs.items() if {a, b} - set(recipe.arms)]
+           + ["report objectives compares decoded arms: decode none"] * (recipe.report == "objectives"
+                                                                          and recipe.decode == "none")
            + ["no arms"] * (not recipe.arms))
     if bad:
         raise ExperimentError(f"{raw['_file']}: " + "; ".join(bad))

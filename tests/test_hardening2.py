@@ -243,3 +243,14 @@ def test_check_names_a_shape_the_config_does_not_give(env, capsys):
     line = next(x for x in capsys.readouterr().out.splitlines() if "FAIL  load" in x)
     assert "the weights do not fit the speculators config.json: layers.0.mlp.gate_proj.weight is [64, 32], " \
            "the config makes it [128, 32]" in line
+
+
+def test_a_run_folder_copied_without_its_dotfiles_resumes(env, capsys):
+    """A run folder with checkpoints is train's even without its owner file (rsync --exclude '.*')."""
+    tmp_path, base, data, held = env
+    assert main(["train", *base, "--no-progress"]) == 0
+    (tmp_path / "run" / ".vatspec-owner").unlink()
+    assert main(["train", *base, "train.steps=2", "--resume-with-changes", "--no-progress"]) == 0, \
+        capsys.readouterr().err
+    steps = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2] and (tmp_path / "run" / ".vatspec-owner").is_file()

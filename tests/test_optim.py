@@ -100,3 +100,28 @@ def test_config_muon_fields_checked():
         load_config(None, ["optim.muon_lr_scale=0"])
     with pytest.raises(ConfigError, match="fsdp"):
         load_config(None, ["optim.kind=muon", "train.parallel=fsdp"])
+
+
+def test_a_state_dict_keyed_by_name_or_missing_torchs_fields_loads():
+    """What a sharded run saves (parameter names, not positions) and what an earlier optimizer saved (groups
+    without Muon's nesterov / ns_coefficients / adjust_lr_fn) both load and step."""
+    a, b = _twins()
+    oa = _combined(a)
+    _steps([(a, oa)], n=2)
+    saved = copy.deepcopy(oa.state_dict())
+    names = ["0.weight", "1.weight", "1.bias", "2.weight"]
+    named = {"state": {names[i]: v for i, v in saved["state"].items()},
+             "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in saved["param_groups"]]}
+    ob = _combined(b)
+    ob.load_state_dict(named)
+    assert set(ob.muon.state) == {b[0].weight} and len(ob.adamw.state) == 3
+    old = copy.deepcopy(saved)
+    for key in ("nesterov", "ns_coefficients", "adjust_lr_fn"):
+        del old["param_groups"][0][key]
+    c, _ = _twins()
+    c.load_state_dict(a.state_dict())
+    oc = _combined(c)
+    oc.load_state_dict(old)
+    _steps([(a, oa), (c, oc)], n=1)
+    for p, q in zip(a.parameters(), c.parameters()):
+        torch.testing.assert_close(p, q, atol=0, rtol=0)

@@ -56,3 +56,38 @@ def test_demo_refuses_a_recipe_it_cannot_size_or_fill(tmp_path, capsys):
     assert main(["demo", "--recipe", "ablation", "--out", str(tmp_path / "b")]) == 2
     assert "its arms name {drafter}: run it with a drafter" in capsys.readouterr().err
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_objectives_must_decode(tmp_path):
+    bad = tmp_path / "obj.yaml"
+    bad.write_text("base: " + str(recipe_dir() / "objectives.yaml") + "\ndecode: none\n")
+    with pytest.raises(ExperimentError, match="report objectives compares decoded arms: decode none"):
+        load_recipe(bad, drafter="eagle3", arms=["eagle3", "vat"])
+
+
+def test_a_full_disk_keeps_the_cache_written_so_far(tmp_path, monkeypatch):
+    """prepare_features rebuilds a cache written for other settings, never one a full disk interrupted."""
+    import recipes.experiment as E
+    from vatspec.features import writer
+    from vatspec.features.format import CacheWriteError
+
+    class T:
+        num_layers = 30
+
+    cfgs = E.arm_configs(load_recipe("demo-quick").arms, load_recipe("demo-quick").size, tmp_path / "d.jsonl",
+                         tmp_path / "runs")
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"id": "a", "messages": [{"role": "user", "content": "hi"}, '
+                    '{"role": "assistant", "content": "hello"}]}\n')
+    out = tmp_path / "d.features-m128"
+    out.mkdir()
+    (out / "shard-00000.safetensors").write_text("written before")
+
+    def full(*a, **k):
+        raise CacheWriteError("shard-00001.safetensors: could not be written (No space left on device)")
+
+    monkeypatch.setattr(writer, "write_cache", full)
+    monkeypatch.setattr("vatspec.features.write_cache", full)
+    with pytest.raises(CacheWriteError, match="No space left"):
+        E.prepare_features(T(), data, cfgs, progress=False)
+    assert (out / "shard-00000.safetensors").read_text() == "written before"

@@ -56,14 +56,17 @@ class MuonWithAdamW(torch.optim.Optimizer):
                                  *({**g, "params": [i + n for i in g["params"]]} for g in b["param_groups"])]}
 
     def load_state_dict(self, state_dict: dict) -> None:
+        """The two optimizers' parts by position (Muon's groups first), keys kept as given (positions, or the
+        parameter names a sharded run saves); a group missing one of torch's fields takes its default."""
         k = len(self.muon.param_groups)
-        groups = state_dict["param_groups"]
-        n = sum(len(g["params"]) for g in groups[:k])
-        state = {int(i): s for i, s in state_dict["state"].items()}
-        self.muon.load_state_dict({"state": {i: s for i, s in state.items() if i < n}, "param_groups": groups[:k]})
-        self.adamw.load_state_dict({"state": {i - n: s for i, s in state.items() if i >= n},
-                                    "param_groups": [{**g, "params": [i - n for i in g["params"]]}
-                                                     for g in groups[k:]]})
+        groups, state = state_dict["param_groups"], state_dict["state"]
+        parts = []
+        for opt, gs in ((self.muon, groups[:k]), (self.adamw, groups[k:])):
+            ids = [i for g in gs for i in g["params"]]
+            parts.append({"state": {i: state[i] for i in ids if i in state},
+                          "param_groups": [{**opt.defaults, **g} for g in gs]})
+        self.muon.load_state_dict(parts[0])
+        self.adamw.load_state_dict(parts[1])
         self.param_groups[:] = [*self.muon.param_groups, *self.adamw.param_groups]
 
 

@@ -63,7 +63,9 @@ def run(args: argparse.Namespace) -> int:
         return report("ablate", ExperimentError(f"--seeds {args.seeds}: the ablation trains one seed (its arms "
                                                 "share it); several seeds are `vatspec demo --seeds N`"))
     demo.show_steps("ablate")
-    size = {**recipe_size(demo.size_name(args)), **demo.size_changes(args), "seeds": 1}
+    if args.recipe and (args.quick or args.full):
+        return report("ablate", ExperimentError(f"--recipe {args.recipe} brings its own size: drop --quick / --full"))
+    size = {**({} if args.recipe else recipe_size(demo.size_name(args))), **demo.size_changes(args), "seeds": 1}
     try:
         if args.arms:
             recipe = load_recipe(args.recipe or "objectives", drafter=args.drafter,

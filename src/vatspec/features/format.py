@@ -49,6 +49,10 @@ class FeatureCacheError(ValueError):
     the file or manifest field and what was expected."""
 
 
+class CacheWriteError(FeatureCacheError):
+    """A cache file could not be written (a full disk, a quota): the shards written before stay."""
+
+
 def shard_name(k: int) -> str:
     return f"shard-{k:05d}.safetensors"
 
@@ -229,7 +233,7 @@ def write_failure(path: Path, tmp: Path):
     except (OSError, SafetensorError) as e:
         tmp.unlink(missing_ok=True)
         why = getattr(e, "strerror", None) or str(e).removeprefix("Error while serializing: ")
-        raise FeatureCacheError(f"{path}: could not be written ({why}); the partial file is removed, the shards "
+        raise CacheWriteError(f"{path}: could not be written ({why}); the partial file is removed, the shards "
                                 "written before are kept (rerun to resume)") from e
 
 

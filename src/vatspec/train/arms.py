@@ -199,8 +199,8 @@ def build_arm(cfg: Config, target, counts, total: int, *, world: int = 1, device
         _check_init_from(drafter, cfg, init_from, target.vocab_size)
     else:
         drafter = build_drafter(cfg.drafter, target, counts)
-    if init is not None:
-        init(cfg, drafter, target)
+        if init is not None:  # a new drafter's initial weights; an --init-from draft keeps its own
+            init(cfg, drafter, target)
     vd = getattr(drafter.config, "draft_vocab_size", None)
     if vd is not None and vd != cfg.drafter.draft_vocab_size:  # clamped to the target's vocabulary: say so
         cfg = replace(cfg, drafter=replace(cfg.drafter, draft_vocab_size=vd))

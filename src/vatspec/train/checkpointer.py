@@ -21,7 +21,7 @@ import torch
 
 from vatspec import checkpoint as ckpt_io
 from vatspec.config import Config
-from vatspec.outputs import OutputError, check_apart, check_folder, claim_folder, owner, write_lock
+from vatspec.outputs import OutputError, check_apart, check_folder, claim_folder, mark_folder, owner, write_lock
 from vatspec.train import dist as D
 from vatspec.train.arms import Arm
 from vatspec.train.errors import TrainError
@@ -112,10 +112,14 @@ class Checkpointer:
     def start(self, arms: list[Arm], stats: dict, step: int) -> None:
         """Claim each folder; write its config and data statistics; record a resumed run's config changes;
         cut ``metrics.jsonl`` back to ``step`` (a rerun or resume logs each step once)."""
+        self.t_saved = time.monotonic()  # train.save_minutes counts from the first step, not from the set-up
         if not self.is_main:
             return
-        for arm in arms:
-            claim_folder(arm.run_dir, "train")
+        for arm, state in zip(arms, self.states):
+            if state is None:
+                claim_folder(arm.run_dir, "train")
+            else:  # a run folder with checkpoints (copied without its dotfiles too) is train's
+                mark_folder(arm.run_dir, "train")
             for changed, st, changes in self.drift:
                 if changed is arm and changes:
                     with open(arm.run_dir / "config_history.jsonl", "a", encoding="utf-8") as f:
@@ -264,10 +268,11 @@ def _full_states(arm: Arm) -> tuple[dict | None, dict | None, dict]:
 
 def _named_optim_state(arm: Arm, osd: dict) -> dict:
     """An optimizer state dict keyed by position (``opt.state_dict()``, ddp or one process) -> keyed by
-    parameter name, the form ``set_optimizer_state_dict`` reads (positions follow ``arm.params``)."""
-    names = [n for n, p in arm.module.named_parameters() if p.requires_grad]
-    return {"state": {names[int(i)]: v for i, v in osd["state"].items()},
-            "param_groups": [{**g, "params": [names[int(i)] for i in g["params"]]} for g in osd["param_groups"]]}
+    parameter name, the form ``set_optimizer_state_dict`` reads (positions follow the optimizer's groups)."""
+    names = {p: n for n, p in arm.module.named_parameters()}
+    order = [names[p] for g in arm.opt.param_groups for p in g["params"]]
+    return {"state": {order[int(i)]: v for i, v in osd["state"].items()},
+            "param_groups": [{**g, "params": [order[int(i)] for i in g["params"]]} for g in osd["param_groups"]]}
 
 
 def cut_metrics(path: Path, step: int) -> None:

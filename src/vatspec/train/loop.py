@@ -12,6 +12,7 @@ verification and hands everything to its objective (``arms.arm_step``). Runs unc
 
 from __future__ import annotations
 
+import gc
 import sys
 import time
 from collections.abc import Callable
@@ -86,6 +87,7 @@ def train_arms(cfgs: list[Config], *, resume: bool = False, init_from: str | Non
         # hang in the reducer's destructor)
         arms.clear()
         run.drift.clear()
+        gc.collect()  # DDP sits in reference cycles: collected now, not after the group is gone
     D.release_group(owned)
     return finals
 

@@ -37,6 +37,17 @@ def _combined(model, lr=1e-2):
                          torch.optim.AdamW(rest, lr=lr, betas=(0.9, 0.95), weight_decay=0.1))
 
 
+def _resumes_exactly(a, oa, saved, n):
+    """A fresh twin of ``a`` with ``a``'s weights and the optimizer state ``saved`` steps as ``a`` does."""
+    c, _ = _twins()
+    c.load_state_dict(a.state_dict())
+    oc = _combined(c)
+    oc.load_state_dict(saved)
+    _steps([(a, oa), (c, oc)], n=n)
+    for p, q in zip(a.parameters(), c.parameters()):
+        torch.testing.assert_close(p, q, atol=0, rtol=0)
+
+
 def test_one_optimizer_is_torchs_muon_and_adamw_under_one_schedule():
     """Stepped and scheduled as one, each parameter moves exactly as torch's own optimizer moves it alone."""
     ours, ref = _twins()
@@ -67,13 +78,7 @@ def test_the_state_dict_round_trips_and_resumes_exactly():
     _steps([(a, oa), (b, ob)], n=3)
     saved = copy.deepcopy(oa.state_dict())  # as a checkpoint holds it: not the live tensors
     assert [len(g["params"]) for g in saved["param_groups"]] == [1, 3] and sorted(saved["state"]) == [0, 1, 2, 3]
-    c, _ = _twins()
-    c.load_state_dict(a.state_dict())
-    oc = _combined(c)
-    oc.load_state_dict(saved)
-    _steps([(a, oa), (c, oc)], n=3)
-    for p, q in zip(a.parameters(), c.parameters()):
-        torch.testing.assert_close(p, q, atol=0, rtol=0)
+    _resumes_exactly(a, oa, saved, 3)
 
 
 def test_build_optimizer_groups_of_an_eagle3_drafter(tiny_target):
@@ -118,10 +123,4 @@ def test_a_state_dict_keyed_by_name_or_missing_torchs_fields_loads():
     old = copy.deepcopy(saved)
     for key in ("nesterov", "ns_coefficients", "adjust_lr_fn"):
         del old["param_groups"][0][key]
-    c, _ = _twins()
-    c.load_state_dict(a.state_dict())
-    oc = _combined(c)
-    oc.load_state_dict(old)
-    _steps([(a, oa), (c, oc)], n=1)
-    for p, q in zip(a.parameters(), c.parameters()):
-        torch.testing.assert_close(p, q, atol=0, rtol=0)
+    _resumes_exactly(a, oa, old, 1)

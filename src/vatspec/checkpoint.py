@@ -32,7 +32,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from vatspec.drafters.base import HEAD_RULES, AcceptHead
-from vatspec.outputs import user_mode
+from vatspec.outputs import WRITE_ERRORS, user_mode, write_error
 
 
 class CheckpointError(RuntimeError):
@@ -69,10 +69,9 @@ def save_checkpoint(
     tmp = final.with_name(final.name + f".tmp-{os.getpid()}")
     try:
         _write_parts(tmp, step, drafter, head, config_yaml, trainer_state, drafter_state, head_state)
-    except (OSError, SafetensorError) as e:  # a full disk, a quota: nothing half-written is left behind
+    except WRITE_ERRORS as e:  # a full disk, a quota: nothing half-written is left behind
         shutil.rmtree(tmp, ignore_errors=True)
-        why = getattr(e, "strerror", None) or str(e).removeprefix("Error while serializing: ")
-        raise CheckpointError(f"{final}: the checkpoint could not be written ({why}); its partial files are "
+        raise CheckpointError(f"{final}: the checkpoint could not be written ({write_error(e)}); its partial files are "
                               "removed, the earlier checkpoints are as they were") from e
     if final.exists():
         shutil.rmtree(final)

@@ -21,6 +21,8 @@ from collections.abc import Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
+from safetensors import SafetensorError
+
 log = logging.getLogger(__name__)
 
 OWNER = ".vatspec-owner"
@@ -207,3 +209,12 @@ def _alive(pid) -> bool:
     except PermissionError:
         return True
     return True
+
+
+# what a failed write raises: the OS's error, or safetensors' (a full disk while serializing)
+WRITE_ERRORS = (OSError, SafetensorError)
+
+
+def write_error(e: BaseException) -> str:
+    """The reason of a failed write (``WRITE_ERRORS``) in a few words: "No space left on device", ..."""
+    return getattr(e, "strerror", None) or str(e).removeprefix("Error while serializing: ")

@@ -8,7 +8,6 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
 from safetensors.torch import save_file
 from torch import Tensor
 
@@ -30,7 +29,7 @@ from vatspec.export.formats import (
 )
 from vatspec.export.record import RECORD, make_record
 from vatspec.export.validate import validate_export
-from vatspec.outputs import user_mode
+from vatspec.outputs import WRITE_ERRORS, user_mode, write_error
 from vatspec.target import DTYPES, dtype_name
 
 
@@ -235,9 +234,8 @@ def _write_atomically(out: Path, write, *, force: bool) -> Path:
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         kept = "the earlier export is as it was" if out.exists() else "nothing is kept"
-        if isinstance(e, (OSError, SafetensorError)):  # a full disk, a quota
-            why = getattr(e, "strerror", None) or str(e).removeprefix("Error while serializing: ")
-            raise ExportError(f"{out}: could not be written ({why}); {kept}") from e
+        if isinstance(e, WRITE_ERRORS):  # a full disk, a quota
+            raise ExportError(f"{out}: could not be written ({write_error(e)}); {kept}") from e
         if isinstance(e, ExportError) and str(tmp) in str(e):  # a check of the written files: name --out
             raise ExportError(str(e).replace(str(tmp), str(out))) from e
         raise

@@ -226,15 +226,14 @@ def atomic_write(path: Path, data: bytes) -> None:
 def write_failure(path: Path, tmp: Path):
     """A failed write (a full disk, a quota) removes its temporary file and is a ``FeatureCacheError`` naming
     ``path``; what was written before stays as it was."""
-    from safetensors import SafetensorError
+    from vatspec.outputs import WRITE_ERRORS, write_error
 
     try:
         yield
-    except (OSError, SafetensorError) as e:
+    except WRITE_ERRORS as e:
         tmp.unlink(missing_ok=True)
-        why = getattr(e, "strerror", None) or str(e).removeprefix("Error while serializing: ")
-        raise CacheWriteError(f"{path}: could not be written ({why}); the partial file is removed, the shards "
-                                "written before are kept (rerun to resume)") from e
+        raise CacheWriteError(f"{path}: could not be written ({write_error(e)}); the partial file is removed, the "
+                              "shards written before are kept (rerun to resume)") from e
 
 
 def fsync_dir(folder: Path) -> None:

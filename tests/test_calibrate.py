@@ -2,12 +2,15 @@ import numpy as np
 import pytest
 
 from vatspec.calibrate import (
+    HELD,
+    RoundTimings,
     acceptance_survival,
     bootstrap_survival,
     calibrate,
     choose_k,
     expected_speedup,
     measure_round_cost,
+    nondecreasing,
 )
 from vatspec.decode import Round, generate
 
@@ -79,3 +82,122 @@ def test_round_cost_prices_every_k_of_a_dflash_block_and_refuses_no_prompts():
     assert len(cost) == 5 and cost[0] == 1.0 and ar_s > 0 and all(c > 0 for c in cost)
     with pytest.raises(ValueError, match="no calibration prompts"):
         calibrate(target, drafter, [])
+
+
+def _isotonic_reference(x: list[float]) -> list[float]:
+    """The least-squares non-decreasing fit by its min-max formula: fit[i] = max over j <= i of min over
+    k >= i of mean(x[j..k]) (independent of the pool-adjacent-violators loop under test)."""
+    n = len(x)
+    return [max(min(sum(x[j:k + 1]) / (k + 1 - j) for k in range(i, n)) for j in range(i + 1)) for i in range(n)]
+
+
+def test_nondecreasing_fit():
+    # the worked example of the docstring: the burst-fooled costs of a busy run pool into one level
+    assert nondecreasing([1.0, 0.68, 0.66, 1.3]) == pytest.approx([0.78, 0.78, 0.78, 1.3])
+    assert nondecreasing([1.0, 0.68, 0.66, 1.3], [HELD, 1, 1, 1]) == pytest.approx([1.0, 1.0, 1.0, 1.3])
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        x = list(rng.normal(size=int(rng.integers(1, 8))))
+        assert nondecreasing(x) == pytest.approx(_isotonic_reference(x))
+
+
+def _timings(verify: list[float], draft: list[float], reps: int = 15) -> RoundTimings:
+    """A quiet machine: every repetition times the pieces at their true cost (AR step 10 ms)."""
+    ar = np.full(reps, 0.010)
+    return RoundTimings(ar, np.tile(np.array(verify) * 0.010, (reps, 1)), np.tile(np.array(draft) * 0.010, (reps, 1)))
+
+
+TRUE_VERIFY, TRUE_DRAFT = [0.0, 1.02, 1.10, 1.18, 1.27], [0.03, 0.06, 0.09, 0.12]  # k_max = 3
+TRUE_COST = [1.0, 1.16, 1.27, 1.39]  # draft[k] + verify[k + 1]
+
+
+def test_round_cost_survives_a_burst_of_load():
+    quiet = _timings(TRUE_VERIFY, TRUE_DRAFT)
+    assert quiet.cost()[0] == pytest.approx(TRUE_COST) and quiet.cost()[1] == pytest.approx(TRUE_COST)
+    # a long burst: repetitions 0-5 run 3x slower throughout; each piece is read against its own repetition's AR step
+    busy = _timings(TRUE_VERIFY, TRUE_DRAFT)
+    for a in (busy.ar, busy.verify, busy.draft):
+        a[:6] *= 3
+    assert busy.cost()[0] == pytest.approx(TRUE_COST)
+    # short bursts that hit single pieces: 6 AR steps and 5 passes over 2 tokens (k = 1) of 15 repetitions; sums
+    # or means would move every cost, medians of the per-repetition ratios do not
+    short = _timings(TRUE_VERIFY, TRUE_DRAFT)
+    short.ar[[1, 3, 5, 7, 9, 11]] *= 2.5
+    short.verify[[0, 2, 4, 6, 8], 2] *= 2.5
+    assert short.cost()[0] == pytest.approx(TRUE_COST)
+    naive = short.verify.sum(0)[1:] / short.ar.sum()  # summed timings, the AR sum inflated: all look cheap
+    assert naive[0] < 0.9
+
+
+def test_round_cost_is_non_decreasing_in_k():
+    # as timed on a busy run: k = 1 at 0.68, k = 2 at 0.66 AR steps; a pass over more tokens cannot cost less
+    timings = _timings([0.0, 0.65, 0.62, 0.60, 1.3], [0.03, 0.03, 0.06, 0.09])
+    fitted, measured = timings.cost()
+    assert measured == pytest.approx([1.0, 0.65, 0.66, 1.39])
+    assert all(b >= a for a, b in zip(fitted, fitted[1:])) and fitted[1] >= 1.0
+    assert fitted == pytest.approx([1.0, 1.03, 1.06, 1.39])  # the passes over 1-3 tokens held at the AR step
+    # S(1) = 0.4, S(2) = 0.03: as timed, k = 2 costs 0.01 AR steps more than k = 1 and wins on 3% more tokens;
+    # fitted, it costs 0.03 more (a second drafted token's draft cost) and loses
+    survival = [1.0, 0.4, 0.03, 0.0]
+    assert choose_k(survival, measured) == 2
+    assert choose_k(survival, fitted) == 1
+
+
+def test_cost_resamples_carry_the_timing_noise():
+    # two k whose true costs are equal within the timing noise: resampling the repetitions keeps k = 2 from
+    # winning on a lead of acceptance it gets for free at equal cost
+    rng = np.random.default_rng(0)
+    t = _timings([0.0, 1.02, 1.10, 1.10], [0.03, 0.06, 0.06])
+    t.verify[:] *= rng.normal(1.0, 0.05, size=t.verify.shape)
+    rounds = [Round(2, a, a + 1, 0, 0) for a, n in ((0, 50), (1, 45), (2, 5)) for _ in range(n)]
+    survival, resampled = acceptance_survival(rounds, 2), bootstrap_survival(rounds, 2)
+    fitted = t.cost()[0]
+    resampled_cost = t.resampled_cost(2000, 1)
+    assert resampled_cost.shape == (2000, 3) and np.all(np.diff(resampled_cost, axis=1) >= 0)
+    assert resampled_cost[:, 2].std() > 0
+    assert choose_k(survival, fitted, resampled=resampled, resampled_cost=resampled_cost) == 1
+
+
+BUSY = """
+import random, time
+random.seed({seed})
+while True:  # bursts of 5-40 ms of full load with pauses of 5-40 ms: they hit single pieces of a repetition
+    end = time.perf_counter() + random.uniform(0.005, 0.04)
+    while time.perf_counter() < end:
+        pass
+    time.sleep(random.uniform(0.005, 0.04))
+"""
+
+
+@pytest.mark.slow
+def test_a_load_burst_during_calibration_does_not_choose_a_slower_k():
+    """Bursty load on every core while calibration times the round's pieces; the chosen k is then decoded beside
+    k = 1 on a quiet machine, interleaved, and must not be slower beyond the noise. The draft is untrained
+    (it accepts almost nothing), so k = 1 is the right choice and a longer k pays for nothing."""
+    import os
+    import subprocess
+    import sys
+
+    from vatspec import bench
+
+    target = tiny_target(vocab=256, layers=4, hidden=256, init=0.02)
+    drafter = real_drafter(kind="eagle3", draft_vocab_size=128, ttt_steps=3)(target, None)
+    prompts = [[3, 17, 42, 5, 9] * 8, [11, 2] * 10, [60, 61, 62, 63, 1, 7, 7, 30] * 4]
+    busy = [subprocess.Popen([sys.executable, "-c", BUSY.format(seed=i)]) for i in range(os.cpu_count() or 2)]
+    try:
+        cal = calibrate(target, drafter, prompts, max_new_tokens=24)
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
+    assert all(b >= a for a, b in zip(cal.cost, cal.cost[1:])) and cal.cost[1] >= 1.0
+    name = "untrained"
+    results = bench.evaluate(target, {name: (drafter, None)}, {"held-out": [[5, 9, 11] * 6, [7, 30] * 8,
+                                                                            [42, 1] * 9, [63, 2, 17] * 5]},
+                             max_new_tokens=24, warmup=1, k={name: cal.k}, recheck=[name], hf_baseline=False,
+                             progress=False)
+    results["calibration"] = {name: cal.to_dict()}
+    lines = "\n".join(bench.recheck_lines(results, bench.speedup_intervals(results)))
+    assert "did not hold" not in lines, lines
+    if cal.k == 1:
+        assert "k = 1 was chosen; nothing to re-check" in lines

@@ -18,15 +18,23 @@ Worked example: S = [0.5, 0.25], cost = [1, 1.2, 1.5] -> tokens per round 1, 1.5
 1.0, 1.25, 1.17: k = 1. The choice is among k >= 1 (k = 0 measures nothing about the draft); when
 even the best k is expected to be slower than the AR baseline, ``Calibration.ar_wins`` says so.
 
+The cost is timed so that a burst of load cannot fool it (``measure_round_timings``): the AR step and
+every piece of a round run interleaved, in a rotated order, for many repetitions; each piece is taken
+relative to the AR step of its own repetition, and the median over repetitions is kept. A target pass
+over more tokens, or a longer draft, cannot cost less, so the medians are fitted non-decreasing in k
+(``fit_cost``; ``Calibration.cost_measured`` keeps them as timed).
+
 A longer draft has to earn its place with confidence. S(j) for large j rests on the few rounds
-that got that far, so two k whose expected speedups are close are a coin flip on a few calibration
-prompts, and the longer one pays its larger verify on every round if the flip was wrong. So the
-rounds are resampled with replacement (a bootstrap of the survival curve; the round costs are
-medians of interleaved timings and are held fixed), and, from k = 1 upwards, a larger k replaces
-the current choice only when it is faster in at least ``confidence`` (95%) of the resamples. Rounds
-of one prompt are correlated, so this interval is if anything narrow: the rule still leans to the
-longer k less than the point estimate does, on purpose: a longer k chosen on a lead inside the noise
-decodes slower than the shorter one would have (docs/results.md, "Every lever at a glance").
+that got that far, and the costs of two k differ by a few hundredths of an AR step, so two k whose
+expected speedups are close are a coin flip, and the longer one pays its larger verify on every
+round if the flip was wrong. So the rounds and the timing repetitions are resampled with
+replacement (a bootstrap of the survival curve and of the cost), and, from k = 1 upwards, a larger
+k replaces the current choice only when it is faster in at least ``confidence`` (95%) of the
+resamples. Rounds of one prompt are correlated, so this interval is if anything narrow: the rule
+still leans to the longer k less than the point estimate does, on purpose: a longer k chosen on a
+lead inside the noise decodes slower than the shorter one would have. The evaluation decodes a
+chosen k > 1 at k = 1 too (``bench.evaluate``'s ``recheck``) and its report says whether the choice
+held.
 
     cal = calibrate(target, drafter, calibration_prompts)      # held-out prompts, never the benchmarks
     generate(target, ids, drafter, k=cal.k)
@@ -34,7 +42,6 @@ decodes slower than the shorter one would have (docs/results.md, "Every lever at
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -58,6 +65,8 @@ class Calibration:
     ar_step_s: float  # one AR step, seconds
     faster: list[float]  # faster[j]: share of bootstrap resamples in which k = j beats the chosen k
     confidence: float  # the share a larger k needs to replace a smaller one
+    cost_measured: list[float]  # the round cost as timed (medians), before the non-decreasing fit
+    reps: int  # timing repetitions the costs are medians of
 
     @property
     def ar_wins(self) -> bool:
@@ -106,18 +115,20 @@ def bootstrap_survival(rounds: Sequence[Round], k_max: int, *, resamples: int = 
 
 
 def choose_k(survival: Sequence[float], cost: Sequence[float], k_min: int = 1, *,
-             resampled: np.ndarray | None = None, confidence: float = 0.95) -> int:
+             resampled: np.ndarray | None = None, resampled_cost: np.ndarray | None = None,
+             confidence: float = 0.95) -> int:
     """The k >= ``k_min`` with the highest expected speedup (the smallest such k on a tie). ``k_min``
     is 1 by default: k = 0 would decode without the draft, so nothing about the draft would be
     measured; ``Calibration.ar_wins`` says when even the best k is expected to lose to it.
 
-    With ``resampled`` survival curves (``bootstrap_survival``), from ``k_min`` upwards a larger k
-    replaces the current choice only when it is faster in at least ``confidence`` of them."""
+    With ``resampled`` survival curves (``bootstrap_survival``; and ``resampled_cost``, ``[resamples,
+    k_max + 1]`` costs, ``RoundTimings.resampled_cost``, paired with them row by row), from ``k_min`` upwards a
+    larger k replaces the current choice only when it is faster in at least ``confidence`` of them."""
     _, speedup = expected_speedup(survival, cost)
     k_min = min(k_min, len(speedup) - 1)
     if resampled is None:
         return max(range(k_min, len(speedup)), key=lambda k: (speedup[k], -k))
-    fast = _resampled_speedup(resampled, cost)
+    fast = _resampled_speedup(resampled, cost if resampled_cost is None else resampled_cost)
     k = k_min
     for j in range(k_min + 1, len(speedup)):
         if np.mean(fast[:, j] > fast[:, k]) >= confidence:
@@ -125,32 +136,81 @@ def choose_k(survival: Sequence[float], cost: Sequence[float], k_min: int = 1, *
     return k
 
 
-def _resampled_speedup(resampled: np.ndarray, cost: Sequence[float]) -> np.ndarray:
-    """``[resamples, k_max + 1]`` expected speedups of resampled survival curves."""
+def _resampled_speedup(resampled: np.ndarray, cost) -> np.ndarray:
+    """``[resamples, k_max + 1]`` expected speedups of resampled survival curves (``cost``: ``[k_max + 1]``,
+    or ``[resamples, k_max + 1]`` resampled with them)."""
     tokens = np.cumsum(np.concatenate([np.ones((len(resampled), 1)), resampled[:, 1:]], axis=1), axis=1)
     return tokens / np.asarray(cost, dtype=float)
 
 
 @dataclass(frozen=True)
-class RoundCostPieces:
-    """The parts of a round, in AR steps: ``verify[n]`` a target pass over n = 1 .. k_max + 1 tokens with the
-    drafter's feature capture (``verify[0]`` unused, 0), ``draft[k]`` the drafter's ``extend`` + ``propose(k)``
-    for k = 0 .. k_max; ``ar_step_s`` one AR step (a 1-token pass, no capture) in seconds."""
+class RoundTimings:
+    """Seconds of every piece of a round in every repetition: ``ar[r]`` one AR step (a 1-token pass, no
+    capture), ``verify[r, n]`` a target pass over n = 1 .. k_max + 1 tokens with the drafter's feature capture
+    (column 0 unused), ``draft[r, k]`` the drafter's ``extend`` + ``propose(k)`` for k = 0 .. k_max."""
 
-    verify: list[float]
-    draft: list[float]
-    ar_step_s: float
+    ar: np.ndarray  # [reps]
+    verify: np.ndarray  # [reps, k_max + 2]
+    draft: np.ndarray  # [reps, k_max + 1]
 
-    def cost(self) -> list[float]:
-        """``[k_max + 1]`` round cost: ``cost[k] = draft[k] + verify[k + 1]`` for k >= 1, ``cost[0] = 1``."""
-        return [1.0] + [self.draft[k] + self.verify[k + 1] for k in range(1, len(self.draft))]
+    def ratios(self) -> tuple[np.ndarray, np.ndarray]:
+        """(verify, draft) of each repetition in units of the AR step of the same repetition: a burst of load
+        that slows a whole repetition leaves its ratios alone."""
+        return self.verify / self.ar[:, None], self.draft / self.ar[:, None]
+
+    def cost(self, reps: np.ndarray | None = None) -> tuple[list[float], list[float]]:
+        """(round cost fitted non-decreasing in k, round cost as measured), ``[k_max + 1]`` each, in AR steps,
+        from the median ratios over the repetitions ``reps`` (indices; default all)."""
+        v, d = self.ratios()
+        if reps is not None:
+            v, d = v[reps], d[reps]
+        return fit_cost(np.median(v, axis=0), np.median(d, axis=0))
+
+    def resampled_cost(self, resamples: int, seed: int) -> np.ndarray:
+        """``[resamples, k_max + 1]`` fitted round costs of the repetitions resampled with replacement: how much
+        the cost itself could move on another draw of the machine's noise."""
+        rng = np.random.default_rng(seed)
+        n = len(self.ar)
+        return np.array([self.cost(rng.integers(0, n, size=n))[0] for _ in range(resamples)])
+
+
+def nondecreasing(values: Sequence[float], weights: Sequence[float] | None = None) -> list[float]:
+    """The least-squares non-decreasing fit of ``values`` (pool adjacent violators): each run that goes down is
+    replaced by its weighted mean. Worked example: [1, 0.68, 0.66, 1.3] -> [0.78, 0.78, 0.78, 1.3]; with weights
+    [1e9, 1, 1, 1] the first value is held: [1, 1, 1, 1.3]."""
+    w = [1.0] * len(values) if weights is None else [float(x) for x in weights]
+    blocks: list[list[float]] = []  # [mean, weight, count]
+    for x, wx in zip(values, w):
+        blocks.append([float(x), wx, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m1, w1, c1), (m2, w2, c2) = blocks.pop(-2), blocks.pop()
+            blocks.append([(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2, c1 + c2])
+    return [m for m, _, c in blocks for _ in range(c)]
+
+
+HELD = 1e9  # the weight that holds cost[0] = 1 (one AR step by definition) in the monotone fit
+
+
+def fit_cost(verify: Sequence[float], draft: Sequence[float]) -> tuple[list[float], list[float]]:
+    """(fitted, measured) ``[k_max + 1]`` round costs from ``verify[n]`` (n = 0 .. k_max + 1, AR steps; [0]
+    unused) and ``draft[k]`` (k = 0 .. k_max). A target pass over more tokens, or a longer draft, cannot cost
+    less, so each piece is fitted non-decreasing before they are added: verify from the AR step itself (a
+    1-token pass, held at 1) up, draft from k = 0 up. ``cost[k] = draft[k] + verify[k + 1]``, ``cost[0] = 1``."""
+    k_max = len(draft) - 1
+    v = nondecreasing([1.0, *verify[1:]], [HELD] + [1.0] * (k_max + 1))  # v[n] for n = 0 (the AR step) .. k_max + 1
+    d = nondecreasing(draft)
+    fitted = [1.0] + [d[k] + v[k + 1] for k in range(1, k_max + 1)]
+    measured = [1.0] + [float(draft[k] + verify[k + 1]) for k in range(1, k_max + 1)]
+    return fitted, measured
 
 
 @torch.inference_mode()
-def measure_round_pieces(target, drafter, prompt_ids: Sequence[int], k_max: int, *, reps: int = 7) -> RoundCostPieces:
-    """``RoundCostPieces`` on one prompt's context. Every piece is timed ``reps`` times, pieces interleaved so
-    drifts of the machine hit all alike, after one warm-up pass each; the median is kept. The target's cache
-    is cropped back after each pass."""
+def measure_round_timings(target, drafter, prompt_ids: Sequence[int], k_max: int, *, reps: int = 15) -> RoundTimings:
+    """Every piece of a round (``RoundTimings``) timed ``reps`` times on one prompt's context, after one
+    untimed warm-up repetition. Within a repetition the pieces run back to back, in an order rotated by the
+    repetition (each piece runs first, last and next to every other one alike), so a burst of load hits a few
+    pieces of a few repetitions: ``RoundTimings.cost`` compares each piece with the AR step of its own
+    repetition and keeps medians over repetitions. The target's cache is cropped back after each pass."""
     device = target.device
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     ids = torch.as_tensor(list(prompt_ids), dtype=torch.long, device=device)[None]
@@ -160,13 +220,6 @@ def measure_round_pieces(target, drafter, prompt_ids: Sequence[int], k_max: int,
     session = drafter.new_session()
     session.extend(tout.features[0], torch.cat([ids[0, 1:], ids[0, -1:]]))
     feat1, tok1 = tout.features[0, -1:], ids[0, -1:]
-
-    def timed(fn) -> float:
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        return time.perf_counter() - t0
 
     def verify(n: int, capture: bool):
         def run():
@@ -182,32 +235,42 @@ def measure_round_pieces(target, drafter, prompt_ids: Sequence[int], k_max: int,
             session.propose(k).tokens.tolist()
         return run
 
-    ar, ver, dra = [], [[] for _ in range(k_max + 2)], [[] for _ in range(k_max + 1)]
-    for _ in range(reps + 1):  # the first pass of each piece warms up and is dropped
-        ar.append(timed(verify(1, capture=False)))
-        for k in range(k_max + 1):
-            ver[k + 1].append(timed(verify(k + 1, capture=True)))
-            dra[k].append(timed(draft(k)))
-    ar_s = statistics.median(ar[1:])
-    return RoundCostPieces([0.0] + [statistics.median(v[1:]) / ar_s for v in ver[1:]],
-                           [statistics.median(d[1:]) / ar_s for d in dra], ar_s)
+    pieces = [("ar", 0, verify(1, capture=False))]
+    pieces += [("verify", n, verify(n, capture=True)) for n in range(1, k_max + 2)]
+    pieces += [("draft", k, draft(k)) for k in range(k_max + 1)]
+    ar, ver, dra = np.zeros(reps), np.zeros((reps, k_max + 2)), np.zeros((reps, k_max + 1))
+    for r in range(-1, reps):  # repetition -1 warms up and is dropped
+        shift = r % len(pieces)
+        for kind, i, run in pieces[shift:] + pieces[:shift]:
+            sync()
+            t0 = time.perf_counter()
+            run()
+            sync()
+            if r >= 0:
+                seconds = time.perf_counter() - t0
+                if kind == "ar":
+                    ar[r] = seconds
+                else:
+                    (ver if kind == "verify" else dra)[r, i] = seconds
+    return RoundTimings(ar, ver, dra)
 
 
 def measure_round_cost(
-    target, drafter, prompt_ids: Sequence[int], k_max: int, *, reps: int = 7
+    target, drafter, prompt_ids: Sequence[int], k_max: int, *, reps: int = 15
 ) -> tuple[list[float], float]:
-    """``([k_max + 1] round cost in AR steps, seconds of one AR step)`` on one prompt's context: a round drafting
-    k costs the drafter's ``extend`` + ``propose(k)`` and one target pass over k + 1 tokens
-    (``measure_round_pieces``)."""
-    pieces = measure_round_pieces(target, drafter, prompt_ids, k_max, reps=reps)
-    return pieces.cost(), pieces.ar_step_s
+    """``([k_max + 1] round cost in AR steps, fitted non-decreasing in k; seconds of one AR step)`` on one
+    prompt's context (``measure_round_timings``)."""
+    timings = measure_round_timings(target, drafter, prompt_ids, k_max, reps=reps)
+    return timings.cost()[0], float(np.median(timings.ar))
 
 
 def calibrate(target, drafter, prompts: Sequence[Sequence[int]], *, k_max: int | None = None,
-              max_new_tokens: int = 64, reps: int = 7, confidence: float = 0.95, seed: int = 0) -> Calibration:
+              max_new_tokens: int = 64, reps: int = 15, confidence: float = 0.95, seed: int = 0,
+              resamples: int = 2000) -> Calibration:
     """Decode ``prompts`` (token ids; held-out prompts, never the evaluation set) at T = 0 with
-    ``k_max`` (default ``drafter.k``), measure the round cost on the first prompt, choose k: the
-    fastest expected, a longer k only when faster with ``confidence`` over resampled rounds."""
+    ``k_max`` (default ``drafter.k``), time the round's pieces on the first prompt, choose k: the
+    fastest expected, a longer k only when faster with ``confidence`` over resamples of both the rounds
+    (acceptance) and the timing repetitions (cost)."""
     if not prompts:
         raise ValueError("calibrate: no calibration prompts")
     k_max = drafter.k if k_max is None else int(k_max)
@@ -219,10 +282,13 @@ def calibrate(target, drafter, prompts: Sequence[Sequence[int]], *, k_max: int |
     for ids in prompts:
         rounds += generate(target, ids, drafter, k=k_max, max_new_tokens=max_new_tokens).rounds
     survival = acceptance_survival(rounds, k_max)
-    cost, ar_s = measure_round_cost(target, drafter, prompts[0], k_max, reps=reps)
+    timings = measure_round_timings(target, drafter, prompts[0], k_max, reps=reps)
+    cost, measured = timings.cost()
     tokens, speedup = expected_speedup(survival, cost)
-    resampled = bootstrap_survival(rounds, k_max, seed=seed)
-    k = choose_k(survival, cost, resampled=resampled, confidence=confidence)
-    fast = _resampled_speedup(resampled, cost)
+    resampled = bootstrap_survival(rounds, k_max, resamples=resamples, seed=seed)
+    resampled_cost = timings.resampled_cost(resamples, seed + 1)
+    k = choose_k(survival, cost, resampled=resampled, resampled_cost=resampled_cost, confidence=confidence)
+    fast = _resampled_speedup(resampled, resampled_cost)
     faster = [float(np.mean(fast[:, j] > fast[:, k])) for j in range(k_max + 1)]
-    return Calibration(k, survival, cost, tokens, speedup, len(rounds), ar_s, faster, confidence)
+    return Calibration(k, survival, cost, tokens, speedup, len(rounds), float(np.median(timings.ar)), faster,
+                       confidence, measured, reps)

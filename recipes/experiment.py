@@ -296,7 +296,8 @@ def decode_and_report(recipe: Recipe, out: Path, target, cfgs: dict, trained: di
         prompts = {b: load_benchmark(b)[: size.eval_prompts] for b in size.benches}
         results = bench.evaluate(target, methods, prompts, temperature=0.0, max_new_tokens=size.eval_tokens,
                                  warmup=1, seed=size.seed, progress=progress, hf_baseline=recipe.hf_baseline,
-                                 k={n: c["k"] for n, c in calibration.items()} or None)
+                                 k={n: c["k"] for n, c in calibration.items()} or None,
+                                 recheck=[n for n, c in calibration.items() if "chosen_on" not in c])
         if calibration:
             results["calibration"] = calibration
     timings["eval"] = time.perf_counter() - t

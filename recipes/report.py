@@ -17,6 +17,9 @@ import re
 import shutil
 from pathlib import Path
 
+from vatspec.bench import relative_change
+from vatspec.stats import pct
+
 FIELDS = ("estimate", "low", "high", "level", "units", "base")
 
 
@@ -28,8 +31,8 @@ def write(recipe, out: Path, summary: dict, results: dict | None, cfgs: dict) ->
     curves = {n: read_curves(Path(c.train.out_dir)) for n, c in cfgs.items()}
     if recipe.report == "ablation":
         rows = ablation_rows(summary)
-        (out / "ablation.md").write_text(f"# {recipe.title}\n\n" + _scale(summary) + "\n\n" + ablation_table(rows))
         (out / "ablation.json").write_text(json.dumps(rows, indent=1, default=float))
+        _write_md(out / "ablation.md", f"# {recipe.title}\n\n" + _scale(summary) + "\n\n" + ablation_table(rows))
         return
     eval_paths = bench.write_report(results, out / "eval", relative_to=recipe.seed_pairs()) if results else {}
     if recipe.report == "objectives":
@@ -39,13 +42,20 @@ def write(recipe, out: Path, summary: dict, results: dict | None, cfgs: dict) ->
                              for a, rs in curves.items()}
         plot_tau_sim(curves, out / "objectives_tau_sim.png")
         (out / "objectives.json").write_text(json.dumps(summary, indent=1, default=float))
-        (out / "objectives.md").write_text(objectives_md(recipe.title, summary))
+        _write_md(out / "objectives.md", objectives_md(recipe.title, summary))
         return
     plot_curves(curves, out / "training_curves.png", {n: c.data.batch_size for n, c in cfgs.items()})
     (out / "demo.json").write_text(json.dumps(summary, indent=1, default=float))
     for n, c in cfgs.items():
         shutil.copy(Path(c.train.out_dir) / "config.yaml", out / f"config-{slug(n)}.yaml")
-    (out / "report.md").write_text(demo_md(recipe, summary, results, eval_paths))
+    _write_md(out / "report.md", demo_md(recipe, summary, results, eval_paths))
+
+
+def _write_md(path: Path, text: str) -> None:
+    """A report, once it is checked to print no nan or inf (the JSON beside it is written first)."""
+    from vatspec.bench import check_finite
+
+    path.write_text(check_finite(text, str(path)))
 
 
 def read_curves(run_dir: Path) -> list[dict]:
@@ -127,7 +137,7 @@ def demo_md(recipe, summary: dict, results: dict, eval_paths: dict) -> str:
     for arm, base in pairs.items():
         a, b = summary["train_final"][arm].get("tau_sim"), summary["train_final"][base].get("tau_sim")
         if a and b:
-            lines.append(f"\nτ_sim of {arm} vs {base}: {100 * (a / b - 1):+.1f}%.")
+            lines.append(f"\nτ_sim of {arm} vs {base}: {pct(relative_change(a, b))}.")
         d = summary.get("train_paired", {}).get(arm)
         if d:
             lines.append("\n" + _difference(d).sentence("Held-out accepted length per chain (τ_sim - 1)", arm, base,
@@ -214,7 +224,7 @@ def ablation_table(results: dict[str, dict]) -> str:
             "|---|---:|---:|---:|---:|---:|"]
     b = next(iter(results.values())).get("tau_sim")
     for name, m in results.items():
-        d = f"{100 * (m['tau_sim'] / b - 1):+.1f}%" if b else "n/a"
+        d = pct(relative_change(m.get("tau_sim"), b))
         p = m.get("paired_vs_baseline")
         ci = f"{p['estimate']:+.3f} [{p['low']:+.3f}, {p['high']:+.3f}]" if p else "-"
         rows.append(f"| {name} | {_fmt(m.get('tau_sim'), 3)} | {d} | {ci} | {_fmt(m.get('mean_first_reject'), 3)} | "

@@ -249,7 +249,10 @@ def test_eval_command_k_auto_calibrates_each_method(tiny, tmp_path, monkeypatch,
     cal = res["calibration"]["vat"]
     # the oracle accepts exactly 2 of every round's drafts: S = 1, 1, 0, 0 over k_max = 4
     assert cal["survival"] == [1.0, 1.0, 1.0, 0.0, 0.0] and cal["rounds"] > 0
-    assert res["config"]["k"] == {"vat": cal["k"]} and 1 <= cal["k"] <= 4
+    assert res["config"]["k"]["vat"] == cal["k"] and 1 <= cal["k"] <= 4
+    # a chosen k > 1 is decoded at k = 1 beside it, and the report says whether the choice held
+    assert res["config"]["recheck"] == ({"vat": "vat @ k=1"} if cal["k"] > 1 else {})
+    assert res["config"]["k"] == {"vat": cal["k"], **({"vat @ k=1": 1} if cal["k"] > 1 else {})}
     assert "Draft length chosen on held-out calibration prompts" in (tmp_path / "eval" / "results.md").read_text()
 
 
@@ -261,7 +264,75 @@ def test_calibration_lines_do_not_repeat_a_baseline_row():
     lines = bench.calibration_lines({"EAGLE-3": cal, "EAGLE-3 + VAT": {**cal, "chosen_on": "EAGLE-3"}})
     base, vat = (next(ln for ln in lines if ln.startswith(f"| {n} |")) for n in ("EAGLE-3", "EAGLE-3 + VAT"))
     assert "0.39 0.10" in base and "| 101 |" in base
-    assert vat == "| EAGLE-3 + VAT | 1 | EAGLE-3's k (the same decode settings) | | | | |"
+    assert vat == "| EAGLE-3 + VAT | 1 | EAGLE-3's k (the same decode settings) | | | | | |"
     slow_cal = {**cal, "ar_wins": True}
     slow = bench.calibration_lines({"A": slow_cal, "A + VAT": {**slow_cal, "chosen_on": "A"}})
     assert any(ln.startswith("For A even the best k") for ln in slow)
+
+
+def _timed_runs(walls: dict[str, dict[str, list[float]]], tokens: int = 10) -> dict:
+    """A results dict as ``evaluate`` returns it, for the speedup intervals: per method and benchmark the wall
+    seconds of each prompt's run, every run ``tokens`` long."""
+    runs = {m: {b: [{"tokens": tokens, "wall_s": w} for w in ws] for b, ws in per.items()} for m, per in walls.items()}
+    return {"summary": {m: {} for m in walls}, "runs": runs, "config": {"recheck": {}}}
+
+
+def test_speedup_intervals_by_hand():
+    results = _timed_runs({
+        AR: {"x": [1.0, 1.0, 1.0, 1.0], "y": [2.0, 2.0, 2.0]},
+        "fast": {"x": [0.5, 0.5, 0.5, 0.5], "y": [1.0, 1.0, 1.0]},  # twice as fast on every prompt
+        "same": {"x": [1.1, 0.9, 1.05, 0.95], "y": [2.2, 1.8, 2.0]},  # as fast as AR, within the noise
+    })
+    iv = bench.speedup_intervals(results, {"same": "fast"})
+    fast, same = iv["speedup"]["fast"], iv["speedup"]["same"]
+    # every resample of "fast" is 2.0: an interval of zero width, excluding 1.0x
+    assert fast["average"].estimate == pytest.approx(2.0) and fast["average"].low == pytest.approx(2.0)
+    assert not fast["average"].contains_null and fast["average"].units == 7
+    # "same": tokens/s pooled per benchmark (40 / 4.0 against 40 / 4.0; 30 / 6.0 against 30 / 6.0), then averaged
+    assert same["x"].estimate == pytest.approx(1.0) and same["average"].estimate == pytest.approx(1.0)
+    assert same["average"].low < 1.0 < same["average"].high and same["average"].contains_null
+    assert "contains 1.0×" in bench.speedup_words("same", same["average"])
+    assert "excludes 1.0×, so it is faster" in bench.speedup_words("fast", fast["average"])
+    d = iv["difference"]["same vs fast"]
+    assert d["method"] == "same" and d["vs"] == "fast"
+    assert d["average"].estimate == pytest.approx(-1.0) and d["average"].high < 0 and d["average"].base == 2.0
+    # a benchmark of one prompt cannot be resampled: no interval there, nor for the average, and the words say so
+    one = bench.speedup_intervals(_timed_runs({AR: {"x": [1.0, 1.0], "y": [1.0]}, "m": {"x": [0.5, 0.6], "y": [0.5]}}))
+    assert one["speedup"]["m"]["x"].resolved and not one["speedup"]["m"]["y"].resolved
+    assert not one["speedup"]["m"]["average"].resolved and one["speedup"]["m"]["average"].contains_null
+    assert "no interval" in bench.speedup_words("m", one["speedup"]["m"]["average"])
+    assert one["speedup"]["m"]["y"].to_dict()["low"] is None  # JSON: null, never NaN
+
+
+def test_recheck_says_whether_the_chosen_k_held():
+    def results(k3_wall: float) -> dict:
+        r = _timed_runs({AR: {"x": [1.0, 1.1, 0.9, 1.0]}, "m": {"x": [k3_wall * w for w in (1.0, 1.1, 0.9, 1.0)]},
+                         "m @ k=1": {"x": [0.8, 0.88, 0.72, 0.8]}})
+        r["config"].update(recheck={"m": "m @ k=1"}, k={"m": 3, "m @ k=1": 1})
+        r["calibration"] = {"m": {"k": 3}}
+        return r
+
+    slower = results(0.9)  # k = 3 runs at 1.11x, k = 1 at 1.25x on every prompt
+    held = results(0.7)  # k = 3 at 1.43x
+    lines = bench.recheck_lines(slower, bench.speedup_intervals(slower))
+    assert any("m: k = 3 gave 1.11×" in ln and "the choice did not hold" in ln for ln in lines)
+    lines = bench.recheck_lines(held, bench.speedup_intervals(held))
+    assert any("the choice held" in ln for ln in lines) and not any("did not hold" in ln for ln in lines)
+    one = {**held, "config": {**held["config"], "recheck": {}, "k": {"m": 1}}, "calibration": {"m": {"k": 1}}}
+    assert "k = 1 was chosen; nothing to re-check" in "\n".join(bench.recheck_lines(one, bench.speedup_intervals(one)))
+
+
+def test_reports_print_no_nan():
+    from vatspec.stats import Difference, pct
+
+    # a change relative to a zero baseline does not exist: "-", never "+nan%" or "inf%"
+    assert bench.relative_change(0.5, 0.0) != bench.relative_change(0.5, 0.0)  # nan
+    assert pct(bench.relative_change(0.5, 0.0)) == "-" and pct(bench.relative_change(1.1, 1.0)) == "+10.0%"
+    zero = Difference(0.0, 0.0, 0.0, 0.95, 8, 0.0)
+    assert "(-)" in zero.sentence("Held-out accepted length per chain", "VAT", "base") and "nan" not in \
+        zero.sentence("x", "a", "b")
+    for bad in ("| a | nan |", "τ_sim: +nan%", "| 1.0× | inf× |", "-inf", "NaN"):
+        with pytest.raises(ValueError, match="report.md:2: the report prints a non-finite number"):
+            bench.check_finite(f"ok\n{bad}\n", "report.md")
+    text = "inference, info, infinite-looking words and a - for a missing figure | - |\n"
+    assert bench.check_finite(text, "report.md") == text

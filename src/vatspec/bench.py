@@ -24,10 +24,12 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from vatspec.decode import generate
@@ -134,6 +136,7 @@ def evaluate(
     top_p: float = 1.0,
     draft_argmax: bool = False,
     hf_baseline: bool = True,
+    recheck: Sequence[str] = (),
     progress: bool = True,
 ) -> dict:
     """Measure every method against the AR baseline (and HF ``generate``) on every prompt. One function: the
@@ -146,6 +149,9 @@ def evaluate(
     exit_threshold:   early exit for the methods that have a head (others ignore it).
     k:                drafted tokens per round: one for all, or method -> k (e.g. from ``calibrate``);
                       None (or a method missing from the mapping) = the drafter's own ``drafter.k``.
+    recheck:          methods whose k was chosen (``calibrate``): one that drafts k > 1 also runs at k = 1, as
+                      the method ``recheck_name(name)``, interleaved with the rest, so the report can say
+                      whether the choice held on this run's own timing (``recheck_lines``).
     Returns a JSON-ready dict: ``config``, ``benchmarks`` (prompt counts), ``summary[name][bench]``
     with ``average`` per name, and the per-prompt ``runs``.
     """
@@ -155,6 +161,15 @@ def evaluate(
         if reserved in methods:
             raise ValueError(f"method name {reserved!r} is reserved for a baseline; rename it")
     device = target.device
+    k_of = dict(k) if isinstance(k, Mapping) else {name: k for name in methods}
+    rechecked = {}
+    for name in recheck:
+        if name not in methods:
+            raise ValueError(f"recheck: no method {name!r} (have {', '.join(methods)})")
+        if (k_of.get(name) or getattr(methods[name][0], "k", 1)) > 1:
+            rechecked[name] = recheck_name(name)
+    methods = {**methods, **{r: methods[n] for n, r in rechecked.items()}}
+    k_of.update({r: 1 for r in rechecked.values()})
     names = [AR, *methods] + ([HF] if hf_baseline else [])
     from vatspec.data.chat import target_template
 
@@ -163,7 +178,6 @@ def evaluate(
     ids_by_bench = {b: ps for b, ps in ids_by_bench.items() if ps}
     if not ids_by_bench:
         raise ValueError("evaluate: no prompts")
-    k_of = dict(k) if isinstance(k, Mapping) else {name: k for name in methods}
     gen_kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                   draft_argmax=draft_argmax)
 
@@ -204,9 +218,13 @@ def evaluate(
                 outs[name] = rec.pop("_out")
                 runs[name][bench].append({"prompt": i, "prompt_tokens": len(prompts[i]), **rec})
                 bar.update()
-            if temperature == 0:  # greedy decoding is lossless: every output should equal AR's
-                for name in names[1:]:
-                    runs[name][bench][-1]["matches_ar"] = outs[name] == outs[AR]
+            ar = runs[AR][bench][-1]
+            for name in names[1:]:  # per prompt: tokens/s over the AR run of the same prompt
+                rec = runs[name][bench][-1]
+                rec["speedup"] = (rec["tokens"] / rec["wall_s"]) / (ar["tokens"] / ar["wall_s"]) if (
+                    rec["tokens"] and ar["tokens"]) else None
+                if temperature == 0:  # greedy decoding is lossless: every output should equal AR's
+                    rec["matches_ar"] = outs[name] == outs[AR]
     bar.close()
 
     summary: dict[str, dict] = {}
@@ -233,7 +251,7 @@ def evaluate(
             "temperature": temperature, "top_k": top_k, "top_p": top_p, "draft_argmax": draft_argmax,
             "max_new_tokens": max_new_tokens,
             "k": {n: getattr(d, "k", None) if k_of.get(n) is None else k_of[n] for n, (d, _) in methods.items()},
-            "warmup": n_warm, "seed": seed,
+            "warmup": n_warm, "seed": seed, "recheck": rechecked,
             "exit_threshold": exit_threshold, "batch_size": 1, "device": str(device),
             "dtype": str(target.dtype).removeprefix("torch."), "target": getattr(target, "path", None),
             "threads": torch.get_num_threads(), "methods": list(methods), "order": "rotated per prompt",
@@ -242,6 +260,11 @@ def evaluate(
         "summary": summary,
         "runs": runs,
     }
+
+
+def recheck_name(name: str) -> str:
+    """The method that decodes ``name``'s draft at k = 1 beside its chosen k."""
+    return f"{name} @ k=1"
 
 
 def _pool(hists: list[list[int]]) -> list[int]:
@@ -294,10 +317,8 @@ def markdown_table(results: dict, relative_to: str | Mapping[str, str] | None = 
         lines.append(f"| {DISPLAY.get(name, name)} | " + " | ".join(cells) + " |")
         if relative_to and name in relative_to:
             base = summary[relative_to[name]]
-            rel = [
-                " | ".join(_fmt(100 * (row[c][m] / base[c][m] - 1), "pct") for m in ("speedup", "tau"))
-                for c in cols
-            ]
+            rel = [" | ".join(_fmt(relative_change(row[c].get(m), base[c].get(m)), "pct") for m in ("speedup", "tau"))
+                   for c in cols]
             lines.append(f"| Δ vs {relative_to[name]} | " + " | ".join(rel) + " |")
     head = ["Benchmark", "prompts", "AR tok/s"]
     head += [f"{DISPLAY[HF]} tok/s", "AR / HF"] if HF in summary else []
@@ -312,11 +333,35 @@ def markdown_table(results: dict, relative_to: str | Mapping[str, str] | None = 
         cells += [_fmt(summary[m][c]["tokens_per_s"], "tps") for m in methods]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", *round_cost_table(summary, benches, methods)]
+    if "runs" in results:
+        intervals = speedup_intervals(results, relative_to)
+        lines += ["", *speedup_lines(results, intervals)]
     if results.get("calibration"):
         lines += ["", *calibration_lines(results["calibration"])]
+        if "runs" in results:
+            lines += ["", *recheck_lines(results, intervals)]
     if relative_to and "runs" in results:
         lines += ["", *paired_tau_lines(results, relative_to)]
     return "\n".join(lines) + "\n"
+
+
+def relative_change(x: float | None, base: float | None) -> float:
+    """x over base as a change in percent; nan (printed "-") when there is no base to compare with."""
+    if x is None or not base or not (math.isfinite(x) and math.isfinite(base)):
+        return float("nan")
+    return 100.0 * (x / base - 1.0)
+
+
+NONFINITE = re.compile(r"(?<![\w.])[+-]?(nan|inf|infinity)(?![\w])", re.IGNORECASE)
+
+
+def check_finite(text: str, where: str) -> str:
+    """``text`` (a report) unchanged, or a ValueError naming the first line that prints a nan or an inf: every
+    figure of a report is formatted so that a missing one reads "-"; one that does not is a bug."""
+    for n, line in enumerate(text.splitlines(), 1):
+        if NONFINITE.search(line):
+            raise ValueError(f"{where}:{n}: the report prints a non-finite number (nan or inf): {line.strip()[:160]}")
+    return text
 
 
 def calibration_lines(calibration: Mapping[str, dict]) -> list[str]:
@@ -325,18 +370,20 @@ def calibration_lines(calibration: Mapping[str, dict]) -> list[str]:
     lines = ["Draft length chosen on held-out calibration prompts: a round drafting k costs `cost(k)` AR steps "
              "and commits `1 + S(1) + ... + S(k)` tokens on average (S(j) = P(at least j drafts accepted)). "
              f"From k = 1 up, a longer k is chosen only when it is faster in {100 * level:.0f}% of the calibration "
-             "rounds resampled with replacement (last column: the share of resamples in which each k beats the "
-             "chosen one).", "",
-             "| Method | k | S(1..k_max) | cost(0..k_max), AR steps | expected speedup(0..k_max) | rounds "
+             "rounds and timing repetitions resampled with replacement (last column: the share of resamples in "
+             "which each k beats the chosen one). The cost is the median over interleaved repetitions of each piece "
+             "against the AR step of the same repetition, fitted non-decreasing in k (a pass over more tokens cannot "
+             "cost less); \"as timed\" is before the fit.", "",
+             "| Method | k | S(1..k_max) | cost(0..k_max), AR steps | as timed | expected speedup(0..k_max) | rounds "
              "| P(faster than chosen k), k = 1..k_max |",
-             "|---|---:|---|---|---|---:|---|"]
+             "|---|---:|---|---|---|---|---:|---|"]
     for name, c in calibration.items():
         if c.get("chosen_on") in calibration:  # a VAT arm decodes at its baseline's k: not calibrated itself
-            lines.append(f"| {name} | {c['k']} | {c['chosen_on']}'s k (the same decode settings) | | | | |")
+            lines.append(f"| {name} | {c['k']} | {c['chosen_on']}'s k (the same decode settings) | | | | | |")
             continue
-        row = [" ".join(f"{x:.2f}" for x in c[f][start:]) for f, start in
-               (("survival", 1), ("cost", 0), ("speedup", 0), ("faster", 1)) if f in c]
-        lines.append(f"| {name} | {c['k']} | " + " | ".join([*row[:3], str(c["rounds"]), *row[3:]]) + " |")
+        row = [" ".join(f"{x:.2f}" for x in c[f][start:]) if f in c else "-" for f, start in
+               (("survival", 1), ("cost", 0), ("cost_measured", 0), ("speedup", 0), ("faster", 1))]
+        lines.append(f"| {name} | {c['k']} | " + " | ".join([*row[:4], str(c["rounds"]), row[4]]) + " |")
     slow = [name for name, c in calibration.items() if c.get("ar_wins") and "chosen_on" not in c]
     if slow:
         lines += ["", f"For {', '.join(slow)} even the best k is expected to be slower than decoding without the "
@@ -370,6 +417,137 @@ def paired_tau_lines(results: dict, relative_to: Mapping[str, str]) -> list[str]
                      f"[{d.low:+.3f}, {d.high:+.3f}] | {d.units} |")
         words.append(d.sentence("Decode τ", method, base, "prompts"))
     return [*lines, "", *words]
+
+
+# --------------------------------------------------------------------------- speedup intervals
+def _tokens_and_seconds(results: dict, name: str) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per benchmark: ([n] new tokens, [n] wall seconds) of ``name``'s runs, prompt by prompt."""
+    return [(np.array([r["tokens"] for r in rs], dtype=np.float64), np.array([r["wall_s"] for r in rs]))
+            for rs in results["runs"][name].values()]
+
+
+def _speedup_stat(results: dict, name: str, column: int | None):
+    """``stat(indices) -> [R]`` (``stats.bootstrap_stratified``): ``name``'s speedup over AR, tokens/s pooled
+    over the resampled prompts of a benchmark (``column``: its position), or (None) the mean over benchmarks;
+    AR's runs are resampled with the same prompts, so the pair stays together."""
+    mine, ar = _tokens_and_seconds(results, name), _tokens_and_seconds(results, AR)
+    picked = range(len(mine)) if column is None else [column]
+
+    def stat(indices: list[np.ndarray]) -> np.ndarray:
+        per = [(mine[b][0][i].sum(-1) / mine[b][1][i].sum(-1)) / (ar[b][0][i].sum(-1) / ar[b][1][i].sum(-1))
+               for b, i in zip(picked, indices)]
+        return np.mean(per, axis=0)
+    return stat, [len(mine[b][0]) for b in picked]
+
+
+def speedup_intervals(results: dict, pairs: Mapping[str, str] | None = None, *, level: float = 0.95,
+                      resamples: int = 10_000, seed: int = 0) -> dict:
+    """Each method's speedup over AR with a paired-bootstrap interval, per benchmark and for the average over
+    benchmarks (prompts resampled within each benchmark, the AR run of a prompt with it), and, for every
+    ``pairs`` entry (method -> its baseline) and every re-checked k (chosen k -> k = 1), the difference of the
+    two speedups on the same resampled prompts.
+
+    Returns ``{"speedup": {method: {column: Interval}}, "difference": {"A vs B": {"method": A, "vs": B, column:
+    Difference}}}``; the estimates equal ``summary``'s speedups (tokens/s pooled per benchmark, then averaged)."""
+    from vatspec.stats import Difference, Interval, bootstrap_stratified
+
+    methods = [n for n in results["summary"] if n != AR]
+    cols = [*results["runs"][AR], "average"]
+    compared = [*(pairs or {}).items(), *results["config"].get("recheck", {}).items()]
+
+    def column_stat(name: str, c: int):
+        return _speedup_stat(results, name, None if cols[c] == "average" else c)
+
+    out: dict = {"speedup": {}, "difference": {}}
+    for name in methods:
+        out["speedup"][name] = {}
+        for c, col in enumerate(cols):
+            stat, sizes = column_stat(name, c)
+            est, low, high = bootstrap_stratified(stat, sizes, level=level, resamples=resamples, seed=seed)
+            out["speedup"][name][col] = Interval(est, low, high, level, sum(sizes), 1.0)
+    for a, b in compared:
+        row = out["difference"][f"{a} vs {b}"] = {"method": a, "vs": b}
+        for c, col in enumerate(cols):
+            (sa, sizes), (sb, _) = column_stat(a, c), column_stat(b, c)
+            est, low, high = bootstrap_stratified(lambda i, sa=sa, sb=sb: sa(i) - sb(i), sizes, level=level,
+                                                  resamples=resamples, seed=seed)
+            base = sb([np.arange(n)[None] for n in sizes])[0]
+            row[col] = Difference(est, low, high, level, sum(sizes), float(base))
+    return out
+
+
+def speedup_words(name: str, iv) -> str:
+    """One method's speedup interval in words; says plainly when it contains 1.0x (no change)."""
+    head = f"{name}: {iv.estimate:.2f}× the AR baseline"
+    if not iv.resolved:
+        return head + (f" over {iv.units} prompts; no interval (a benchmark with a single prompt cannot be "
+                       "resampled): this run cannot tell a speedup from noise.")
+    head += f", {round(100 * iv.level)}% interval [{iv.low:.2f}×, {iv.high:.2f}×] over {iv.units} prompts"
+    if iv.contains_null:
+        return head + ": the interval contains 1.0×, so this run does not show it faster or slower than decoding " \
+                      "without a draft."
+    return head + f": the interval excludes 1.0×, so it is {'faster' if iv.estimate > 1 else 'slower'} than " \
+                  "decoding without a draft in this run."
+
+
+def _interval_cell(iv) -> str:
+    return f"{iv.estimate:.2f}× [{iv.low:.2f}, {iv.high:.2f}]" if iv.resolved else f"{iv.estimate:.2f}× [-]"
+
+
+def _difference_words(what: str, a: str, b: str, d) -> str:
+    if not (math.isfinite(d.low) and math.isfinite(d.high)):
+        return (f"{what}: {a} - {b} = {d.estimate:+.3f} over {d.units} prompts; no interval (a benchmark with a "
+                "single prompt cannot be resampled).")
+    return d.sentence(what, a, b, "prompts")
+
+
+def speedup_lines(results: dict, intervals: dict) -> list[str]:
+    """Markdown: every method's speedup with its interval per benchmark and on average, the differences of the
+    compared pairs, and both in words."""
+    cols = [*results["runs"][AR], "average"]
+    level = round(100 * next(iter(next(iter(intervals["speedup"].values())).values())).level)
+    lines = [f"Speedup over the AR baseline with {level}% intervals (paired bootstrap over prompts, resampled within "
+             "each benchmark; the AR run of a prompt is resampled with it):", "",
+             "| Method | " + " | ".join(cols) + " |", "|---|" + "---:|" * len(cols)]
+    for name, row in intervals["speedup"].items():
+        lines.append(f"| {DISPLAY.get(name, name)} | " + " | ".join(_interval_cell(row[c]) for c in cols) + " |")
+    rechecks = results["config"].get("recheck", {})
+    diffs = [d for d in intervals["difference"].values() if rechecks.get(d["method"]) != d["vs"]]
+    if diffs:
+        lines += ["", "| Method | vs | " + " | ".join(f"Δ speedup {c}" for c in cols) + " |",
+                  "|---|---|" + "---:|" * len(cols)]
+        for d in diffs:
+            cells = [f"{d[c].estimate:+.2f} [{d[c].low:+.2f}, {d[c].high:+.2f}]" if math.isfinite(d[c].low)
+                     else f"{d[c].estimate:+.2f} [-]" for c in cols]
+            lines.append(f"| {d['method']} | {d['vs']} | " + " | ".join(cells) + " |")
+    lines += ["", *("- " + speedup_words(DISPLAY.get(n, n), row["average"]) for n, row in intervals["speedup"].items()
+                    if n != HF)]
+    lines += ["- " + _difference_words("Speedup (average over benchmarks)", d["method"], d["vs"], d["average"])
+              for d in diffs]
+    return lines
+
+
+def recheck_lines(results: dict, intervals: dict) -> list[str]:
+    """Markdown: for each method whose k was chosen, its speedup at that k against the same draft at k = 1 in
+    this run's own interleaved timing, and whether the choice held."""
+    ks, rechecks = results["config"]["k"], results["config"].get("recheck", {})
+    chosen = [n for n in results.get("calibration", {}) if "chosen_on" not in results["calibration"][n]]
+    lines = ["The chosen k, re-checked against k = 1 on this run's own interleaved timing (the same draft decoded "
+             "at k = 1 beside it on every prompt):", ""]
+    for name in chosen:
+        if name not in rechecks:
+            lines.append(f"- {name}: k = {ks[name]} was chosen; nothing to re-check.")
+            continue
+        d = intervals["difference"][f"{name} vs {rechecks[name]}"]["average"]
+        at = intervals["speedup"]
+        held = not (math.isfinite(d.high) and d.high < 0)
+        lines.append(f"- {name}: k = {ks[name]} gave {_interval_cell(at[name]['average'])}, k = 1 gave "
+                     f"{_interval_cell(at[rechecks[name]]['average'])}; k = {ks[name]} - k = 1: "
+                     f"{d.estimate:+.2f}" + (f" [{d.low:+.2f}, {d.high:+.2f}]" if math.isfinite(d.low) else "")
+                     + (": the choice held (k = 1 was not faster beyond the noise)." if held else
+                        ": **the choice did not hold**: k = 1 was faster on this run, so the calibration's timing "
+                        "misjudged the cost of a longer draft (a busy machine, or too few calibration rounds)."))
+    return lines
 
 
 def round_cost_table(summary: dict, benches: Sequence[str], methods: Sequence[str]) -> list[str]:
@@ -439,6 +617,12 @@ def plot(results: dict, out_dir: str | Path) -> list[Path]:
     return paths
 
 
+def _intervals_dict(intervals: dict) -> dict:
+    return {"speedup": {n: {c: iv.to_dict() for c, iv in row.items()} for n, row in intervals["speedup"].items()},
+            "difference": {key: {c: (v if c in ("method", "vs") else v.to_dict()) for c, v in d.items()}
+                           for key, d in intervals["difference"].items()}}
+
+
 def write_report(
     results: dict, out_dir: str | Path, relative_to: str | Mapping[str, str] | None = None, plots: bool = True
 ) -> dict:
@@ -449,8 +633,10 @@ def write_report(
     if relative_to:
         results = {**results, "paired_tau": {m: {"vs": b, **paired_tau(results, m, b).to_dict()}
                                              for m, b in _pairs(results, relative_to).items()}}
+    pairs = _pairs(results, relative_to)
+    results = {**results, "speedup_intervals": _intervals_dict(speedup_intervals(results, pairs))}
     paths["json"].write_text(json.dumps(results, indent=1))
-    paths["markdown"].write_text(markdown_table(results, relative_to))
+    paths["markdown"].write_text(check_finite(markdown_table(results, relative_to), str(paths["markdown"])))
     if plots:
         paths["tau_plot"], paths["hist_plot"] = plot(results, out_dir)
     return paths

@@ -15,7 +15,8 @@ a resample that draws prompts (0, 0, 2) gives (2 + 2 + 4)/3 - (1 + 1 + 3)/3 = 1.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,8 +41,8 @@ class Difference:
 
     @property
     def relative(self) -> float:
-        """estimate / statistic(B), in percent."""
-        return 100.0 * self.estimate / self.base if self.base else float("nan")
+        """estimate / statistic(B), in percent; nan when statistic(B) is 0 or unknown (printed as "-")."""
+        return 100.0 * self.estimate / self.base if self.base and math.isfinite(self.base) else float("nan")
 
     def to_dict(self) -> dict:
         return {"estimate": self.estimate, "low": self.low, "high": self.high, "level": self.level,
@@ -54,12 +55,70 @@ class Difference:
 
     def sentence(self, what: str, a: str, b: str, unit: str = "units") -> str:
         """The comparison in words; says plainly when the interval contains 0."""
-        head = (f"{what}: {a} - {b} = {self.estimate:+.3f} ({self.relative:+.1f}%), "
+        head = (f"{what}: {a} - {b} = {self.estimate:+.3f} ({pct(self.relative)}), "
                 f"{round(100 * self.level)}% interval [{self.low:+.3f}, {self.high:+.3f}] over {self.units} {unit}")
         if self.contains_zero:
             return head + f": the interval contains 0, so this run shows no difference between {a} and {b}."
         better = a if self.estimate > 0 else b
         return head + f": the interval excludes 0, so {better} is ahead in this run."
+
+
+def pct(x: float | None) -> str:
+    """A percentage for a report: ``+1.5%``; "-" for one that does not exist (of a zero baseline: nan or inf)."""
+    return f"{x:+.1f}%" if x is not None and math.isfinite(x) else "-"
+
+
+@dataclass(frozen=True)
+class Interval:
+    """A statistic (e.g. a speedup) with its bootstrap interval, read against ``null`` (1.0 for a speedup: no
+    change). ``low``/``high`` are nan when there were too few units to resample."""
+
+    estimate: float
+    low: float
+    high: float
+    level: float
+    units: int
+    null: float = 1.0
+
+    @property
+    def resolved(self) -> bool:
+        return math.isfinite(self.low) and math.isfinite(self.high)
+
+    @property
+    def contains_null(self) -> bool:
+        return not self.resolved or self.low <= self.null <= self.high
+
+    def to_dict(self) -> dict:
+        return {"estimate": self.estimate, "low": self.low if self.resolved else None,
+                "high": self.high if self.resolved else None, "level": self.level, "units": self.units,
+                "null": self.null, "contains_null": self.contains_null}
+
+
+def stratified_resamples(sizes: Sequence[int], resamples: int = RESAMPLES, seed: int = 0) -> list[np.ndarray]:
+    """Per stratum (e.g. benchmark) of ``sizes[s]`` units, ``[resamples, sizes[s]]`` indices drawn with
+    replacement inside it: every resample keeps each stratum's size, so a statistic averaged over strata (the
+    paper's mean over benchmarks) is resampled as it is computed. The same seed gives the same indices, so
+    statistics of several methods computed from them stay paired unit by unit."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, n, size=(resamples, n)) for n in sizes]
+
+
+def percentile_interval(samples: np.ndarray, level: float = 0.95) -> tuple[float, float]:
+    """The ``level`` percentile interval of bootstrap ``samples`` ``[R]``."""
+    tail = (1.0 - level) / 2
+    low, high = np.quantile(samples, [tail, 1.0 - tail])
+    return float(low), float(high)
+
+
+def bootstrap_stratified(stat: Callable[[list[np.ndarray]], np.ndarray], sizes: Sequence[int], *,
+                         level: float = 0.95, resamples: int = RESAMPLES, seed: int = 0) -> tuple[float, float, float]:
+    """(estimate, low, high) of ``stat`` over strata of ``sizes`` units. ``stat(indices)`` takes per stratum
+    ``[R, n_s]`` unit indices and returns ``[R]`` values; the estimate is ``stat`` on every unit once. An
+    interval needs at least 2 units in every stratum (one unit resampled is itself): else low = high = nan."""
+    estimate = float(stat([np.arange(n)[None] for n in sizes])[0])
+    if min(sizes, default=0) < 2:
+        return estimate, float("nan"), float("nan")
+    return (estimate, *percentile_interval(stat(stratified_resamples(sizes, resamples, seed)), level))
 
 
 def paired_difference(

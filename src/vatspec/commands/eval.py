@@ -116,6 +116,7 @@ def _run(args: argparse.Namespace) -> int:
         target, methods, prompts, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
         warmup=args.warmup, seed=args.seed, exit_threshold=args.exit_threshold, k=k, top_k=args.top_k,
         top_p=args.top_p, draft_argmax=args.draft_argmax, hf_baseline=not args.no_hf,
+        recheck=list(calibration or ()),
     )
     if calibration:
         results["calibration"] = {name: c.to_dict() for name, c in calibration.items()}

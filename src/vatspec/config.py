@@ -133,6 +133,15 @@ class TrainConfig:
     # under torchrun: ddp replicates the drafter on every rank; fsdp shards its parameters, gradients
     # and optimizer state across ranks (FSDP2 fully_shard). Checkpoints of either resume in either.
     parallel: Literal["ddp", "fsdp"] = "ddp"
+    # experiment trackers that get every logged step too (metrics.jsonl is always written): any of tensorboard,
+    # wandb, trackio, mlflow, as a list or comma-separated (train.report_to=tensorboard,wandb); each an extra
+    # (pip install 'vatspec[wandb]'). Where each writes: vatspec/tracking.py
+    report_to: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        from vatspec.tracking import parse_report_to
+
+        object.__setattr__(self, "report_to", parse_report_to(self.report_to, "train.report_to"))
 
 
 @dataclass(frozen=True)
@@ -319,6 +328,8 @@ def _coerce(value: Any, tp: Any, where: str, source: str) -> Any:
                 errors.append(str(e))
         raise ConfigError(errors[0] if errors else f"{source}: {where}: bad value {value!r}")
     if origin is tuple:
+        if isinstance(value, str) and args == (str, Ellipsis):  # a list of names may be written a,b,c
+            value = value.split(",")
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{source}: {where} expects a list, got {value!r}")
         if len(args) == 2 and args[1] is Ellipsis:

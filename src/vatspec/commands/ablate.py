@@ -70,13 +70,17 @@ def run(args: argparse.Namespace) -> int:
         if args.arms:
             recipe = load_recipe(args.recipe or "objectives", drafter=args.drafter,
                                  arms=with_baseline(args.arms, args.drafter), size=size)
-            summary = experiment.run(recipe, Path(args.out), threads=args.threads, progress=not args.no_progress)
+            summary = experiment.run(demo.with_trackers(recipe, args.report_to), Path(args.out),
+                                     threads=args.threads, progress=not args.no_progress)
             print(R.objectives_table(summary))
             print("\n".join(R.verdicts(summary)))
+            demo.report_to_trackers(args, summary)
             return 0
         recipe = load_recipe(args.recipe or "ablation", drafter=args.drafter, size=size)
-        summary = experiment.run(recipe, Path(args.out), threads=args.threads, progress=not args.no_progress)
+        summary = experiment.run(demo.with_trackers(recipe, args.report_to), Path(args.out), threads=args.threads,
+                                 progress=not args.no_progress)
     except ExperimentError as e:
         return report("ablate", e)
     print(R.ablation_table(R.ablation_rows(summary)))
+    demo.report_to_trackers(args, summary)
     return 0

@@ -5,18 +5,20 @@ recipe) run by ``recipes.experiment.run``; ``--recipe`` runs any other experimen
     vatspec demo [--quick | --full] [--seeds N] [--original-answers N] [--out reports/demo]
     vatspec demo --recipe recipes/experiments/my-arms.yaml --out reports/mine
     vatspec demo --redecode [--out reports/demo]     # steps 4-5 again on its trained drafts
+    vatspec demo --report-to tensorboard,wandb       # the arms' training runs and the report to trackers too
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 from pathlib import Path
 
 from recipes import experiment
 from recipes.recipe import ExperimentError, load_recipe
-from vatspec.commands import int_arg, report
+from vatspec.commands import add_report_to_arg, int_arg, report
 
 SIZE_FLAGS = ("steps", "prompts", "eval_prompts", "seeds", "original_answers", "precision")
 
@@ -47,6 +49,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--redecode", action="store_true",
                         help="decode the drafts of the finished demo in --out again (k re-chosen, current decoding "
                              "code) and rewrite its report; nothing is retrained, its size is the recorded one")
+    add_report_to_arg(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -58,16 +61,35 @@ def run(args: argparse.Namespace) -> int:
             if sized:
                 raise ExperimentError(f"--redecode decodes the demo in --out at its recorded size: drop "
                                       f"{' '.join(sized)}")
-            experiment.redecode(Path(args.out), threads=args.threads, progress=not args.no_progress)
+            summary = experiment.redecode(Path(args.out), threads=args.threads, progress=not args.no_progress)
         else:
             if args.recipe and (args.quick or args.full):
                 raise ExperimentError(f"--recipe {args.recipe} brings its own size: drop --quick / --full (--steps, "
                                       "--prompts, --eval-prompts, --seeds, --original-answers, --precision change it)")
-            recipe = load_recipe(args.recipe or size_name(args), size=size_changes(args))
-            experiment.run(recipe, Path(args.out), threads=args.threads, progress=not args.no_progress)
+            recipe = with_trackers(load_recipe(args.recipe or size_name(args), size=size_changes(args)),
+                                   args.report_to)
+            summary = experiment.run(recipe, Path(args.out), threads=args.threads, progress=not args.no_progress)
     except ExperimentError as e:
         return report("demo", e)
+    report_to_trackers(args, summary)
     return 0
+
+
+def with_trackers(recipe, report_to: tuple[str, ...]):
+    """``recipe`` with every arm's training run logging to the trackers ``report_to`` too (``train.report_to``)."""
+    if not report_to:
+        return recipe
+    logged = f"train.report_to={','.join(report_to)}"
+    return dataclasses.replace(recipe, arms={arm: (*o, logged) for arm, o in recipe.arms.items()})
+
+
+def report_to_trackers(args: argparse.Namespace, summary: dict) -> None:
+    """The report folder's tables and plots to ``--report-to``'s trackers (one run named after ``--out``)."""
+    if args.report_to:
+        from vatspec.tracking import log_report, report_files
+
+        out = Path(args.out)
+        log_report(args.report_to, out, report_files(out), {k: summary[k] for k in ("recipe", "size")})
 
 
 def size_name(args: argparse.Namespace) -> str:

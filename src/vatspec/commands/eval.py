@@ -56,6 +56,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-plots", action="store_true")
     parser.add_argument("--out", default="runs/eval", help="output folder (new, empty, or an earlier eval's)")
     add_device_args(parser)
+    from vatspec.commands import add_report_to_arg  # the experiment trackers (vatspec/tracking.py)
+
+    add_report_to_arg(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -125,6 +128,11 @@ def _run(args: argparse.Namespace) -> int:
     paths = write_report(results, args.out, relative, plots=not args.no_plots)
     print(paths["markdown"].read_text())
     print("wrote " + ", ".join(str(p) for p in paths.values()))
+    if args.report_to:  # the report's table and plots, one tracked run named after --out
+        from vatspec.tracking import log_report
+
+        log_report(args.report_to, Path(args.out), [p for p in paths.values() if p.suffix in (".md", ".png")],
+                   results["config"])
     return 0
 
 

@@ -4,7 +4,8 @@ A run folder holds ``.vatspec-owner`` (``vatspec.outputs``), ``config.yaml``, ``
 was read, skipped and dropped), ``metrics.jsonl``, ``checkpoints/``, ``config_history.jsonl`` (changes a
 ``--resume-with-changes`` made) and, at the end, ``heldout_chains.json``. Checkpoints are periodic by
 default (``train.save_every``, ``train.save_minutes``), so a killed run resumes exactly; on resume
-``metrics.jsonl`` is cut back to the checkpoint's step, so each step is logged once.
+``metrics.jsonl`` is cut back to the checkpoint's step, so each step is logged once. With ``train.report_to``
+the logged steps go to experiment trackers too (``vatspec.tracking``; their run ids in ``trackers.json``).
 """
 
 from __future__ import annotations
@@ -18,24 +19,28 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import yaml
 
 from vatspec import checkpoint as ckpt_io
 from vatspec.config import Config
 from vatspec.outputs import OutputError, check_apart, check_folder, claim_folder, mark_folder, owner, write_lock
+from vatspec.tracking import Trackers, TrackingError, check_installed, open_trackers
 from vatspec.train import dist as D
 from vatspec.train.arms import Arm
 from vatspec.train.errors import TrainError
 
 # fields a resumed run may change: they say where, how often and how much to save or log, not what is computed
 RESUME_FREE = ("target.device", "target.device_map", "train.out_dir", "train.log_every", "train.eval_every",
-               "train.save_every", "train.save_minutes", "train.keep_checkpoints", "train.parallel")
+               "train.save_every", "train.save_minutes", "train.keep_checkpoints", "train.parallel",
+               "train.report_to")
 SAVES_PER_RUN = 10  # train.save_every unset: a checkpoint every total // 10 steps
 
 
 class Checkpointer:
     """Owns the run folders of the arms trained together: takes each folder's one-writer lock, refuses
     folders it must not write, restores a resumed run (refusing a config that computes otherwise), writes
-    the run's files, logs metrics and saves checkpoints. Only rank 0 (``is_main``) writes."""
+    the run's files, logs metrics (to ``metrics.jsonl`` and the ``train.report_to`` trackers) and saves
+    checkpoints. Only rank 0 (``is_main``) writes; the trackers close when ``locks`` does."""
 
     def __init__(self, cfgs: list[Config], locks: ExitStack, *, is_main: bool, world: int):
         self.cfgs, self.is_main, self.world = cfgs, is_main, world
@@ -43,6 +48,14 @@ class Checkpointer:
         self.states: list[dict | None] = [None for _ in self.dirs]
         self.drift: list[tuple[Arm, dict, dict]] = []
         self.t_saved = time.monotonic()
+        self.resuming = False
+        self.trackers: dict[Path, Trackers] = {}
+        for c in cfgs:  # every rank: a missing extra stops them all before any work
+            try:
+                check_installed(c.train.report_to, "train.report_to")
+            except TrackingError as e:
+                raise TrainError(str(e)) from None
+        locks.push(self._close_trackers)  # after the run (or its error), before the folder locks go
         if is_main:  # a second training into one folder fails at once, naming the first
             for d in self.dirs:
                 try:
@@ -53,6 +66,7 @@ class Checkpointer:
     def open(self, inputs: dict, resume: bool) -> None:
         """Refuse to clobber: a folder with checkpoints needs ``resume`` (then its state is read); a folder
         ``vatspec train`` did not make is never written into; no input lies in, or holds, a run folder."""
+        self.resuming = resume
         for i, d in enumerate(self.dirs):
             try:
                 check_apart(d, inputs, "train.out_dir")
@@ -111,7 +125,8 @@ class Checkpointer:
 
     def start(self, arms: list[Arm], stats: dict, step: int) -> None:
         """Claim each folder; write its config and data statistics; record a resumed run's config changes;
-        cut ``metrics.jsonl`` back to ``step`` (a rerun or resume logs each step once)."""
+        cut ``metrics.jsonl`` back to ``step`` (a rerun or resume logs each step once); open its trackers (a
+        resumed run's own, told which steps they already hold)."""
         self.t_saved = time.monotonic()  # train.save_minutes counts from the first step, not from the set-up
         if not self.is_main:
             return
@@ -128,12 +143,29 @@ class Checkpointer:
                                             "changes": {k: list(v) for k, v in changes.items()}}) + "\n")
             (arm.run_dir / "config.yaml").write_text(arm.config_yaml)
             (arm.run_dir / "data_stats.json").write_text(json.dumps(stats, indent=1) + "\n")
-            cut_metrics(arm.run_dir / "metrics.jsonl", step)
+            logged = cut_metrics(arm.run_dir / "metrics.jsonl", step)
+            try:
+                self.trackers[arm.run_dir] = open_trackers(
+                    arm.cfg.train.report_to, arm.run_dir, name=arm.run_dir.resolve().name,
+                    config=yaml.safe_load(arm.config_yaml), first_step=step + 1, resume=self.resuming, logged=logged)
+            except TrackingError as e:
+                raise TrainError(str(e)) from None
 
     def log(self, arm: Arm, record: dict) -> None:
+        """One step's record: a line of ``metrics.jsonl``, then the trackers (a kill between them loses the step
+        there, never logs it twice)."""
         if self.is_main:
             with open(arm.run_dir / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(record) + "\n")
+            if arm.run_dir in self.trackers:
+                self.trackers[arm.run_dir].log(record)
+
+    def _close_trackers(self, exc_type, exc, tb) -> bool:
+        """``locks``' exit: every tracker ended, as finished or (an error, an interrupt) failed."""
+        trackers, self.trackers = list(self.trackers.values()), {}
+        for t in trackers:
+            t.close(ok=exc_type is None)
+        return False
 
     def write_chains(self, arm: Arm, step: int, metrics: dict, key: str) -> None:
         """The final held-out chains' accepted lengths (``heldout_chains.json``): paired comparisons read them."""
@@ -275,20 +307,24 @@ def _named_optim_state(arm: Arm, osd: dict) -> dict:
             "param_groups": [{**g, "params": [order[int(i)] for i in g["params"]]} for g in osd["param_groups"]]}
 
 
-def cut_metrics(path: Path, step: int) -> None:
-    """Keep the records of ``metrics.jsonl`` up to ``step`` (a partial last line from a kill goes too)."""
+def cut_metrics(path: Path, step: int) -> int:
+    """Keep the records of ``metrics.jsonl`` up to ``step`` (a partial last line from a kill goes too); return
+    the last step it held before (0 if none): the steps a resumed run's trackers already hold."""
     if not path.is_file():
-        return
-    kept = []
+        return 0
+    kept, last = [], 0
     for line in path.read_text(encoding="utf-8").splitlines():
         try:
-            if json.loads(line)["step"] <= step:
+            s = json.loads(line)["step"]
+            last = max(last, s)
+            if s <= step:
                 kept.append(line + "\n")
         except (ValueError, KeyError, TypeError):
             continue
     tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
     tmp.write_text("".join(kept), encoding="utf-8")
     os.replace(tmp, path)
+    return last
 
 
 def _load_tensors(path: Path) -> dict:

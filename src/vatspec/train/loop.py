@@ -147,12 +147,13 @@ def _loop(arms: list[A.Arm], data: TrainData, run: Checkpointer, step: int, *, r
         grad_norms = [_apply(arm) for arm in arms]
         do_eval = last or bool(cfg.train.eval_every and step % cfg.train.eval_every == 0)
         evals = A.evaluate_arms(arms, data.source, data.held_ex, cfg, device) if do_eval else [{} for _ in arms]
-        records = []
+        records, peak_mib = [], _peak_memory_mib(device)
         for i, arm in enumerate(arms):
             record = {"step": step, "lr": arm.sched.get_last_lr()[0], "grad_norm": grad_norms[i],
                       "tokens_per_s": tokens_per_s, **parts[i]}
             record.update({f"train/{k}": v for k, v in accs[i].summary().items()})
             record = D.all_reduce_mean(record, world)
+            record["peak_memory_mib"] = peak_mib  # rank 0's
             record.update({f"eval/{k}": v for k, v in evals[i].items() if k != A.CHAINS_KEY})
             records.append(record)
             if last:
@@ -203,6 +204,16 @@ def _apply(arm: A.Arm) -> float:
     arm.opt.step()
     arm.sched.step()
     return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # fsdp: a DTensor
+
+
+def _peak_memory_mib(device) -> float:
+    """The peak memory so far, in MiB: torch's allocations on a GPU, the process's resident set on a CPU (torch
+    keeps no CPU allocator statistics; the target and data are in it too)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
 def _progress(total: int, initial: int, enabled: bool, desc: str, position: int = 0):

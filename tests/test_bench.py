@@ -336,3 +336,18 @@ def test_reports_print_no_nan():
             bench.check_finite(f"ok\n{bad}\n", "report.md")
     text = "inference, info, infinite-looking words and a - for a missing figure | - |\n"
     assert bench.check_finite(text, "report.md") == text
+
+
+def test_round_cost_table_says_when_the_ar_baseline_ran_slow():
+    def row(draft_s, verify_s, rounds, speedup=1.0, tau=1.2):
+        return {"b": {"draft_s": draft_s, "verify_s": verify_s, "rounds": rounds},
+                "average": {"speedup": speedup, "tau": tau}}
+
+    # AR: 100 steps of 40 ms; the draft verifies 2 tokens in 42 ms a round (1.05 AR steps): a quiet run
+    quiet = {AR: row(0.0, 4.0, 100), "m": row(0.3, 3.15, 75)}
+    lines = bench.round_cost_table(quiet, ["b"], ["m"])
+    assert "| m | 75 | 0.10 | 1.05 | 0.83 |" in lines and not any("ran slow" in ln for ln in lines)
+    # AR steps of 60 ms against the same 42 ms verify: 0.70 AR steps, which no 2-token pass can cost
+    slow = {AR: row(0.0, 6.0, 100), "m": row(0.3, 3.15, 75)}
+    assert any("The AR baseline ran slow in this run" in ln and "m verified" in ln
+               for ln in bench.round_cost_table(slow, ["b"], ["m"]))

@@ -21,7 +21,7 @@ SKINNY_ROWS = 16  # up to this many rows, a CPU linear may run as weight @ x.T (
 # "matmul" (always weight @ x.T) or "linear" (always F.linear)
 KERNELS = ("auto", "matmul", "linear")
 _FASTER: dict[tuple, bool] = {}  # (out, in, rows, dtype, threads) -> weight @ x.T beat F.linear here
-_TIMING_REPS = 5  # best of 5 after a warm-up: enough to separate kernels that differ by > 10%
+_TIMING_REPS = 7  # best of 7 each after a warm-up, interleaved: separates kernels that differ by > 10%
 # bytes of weight copies one timing cycles through, so the weight streams from memory as in a model pass
 # (the layers' weights together exceed the CPU's caches): a weight timed hot in cache can pick the other
 # kernel (EPYC, [576, 576], 1 row: F.linear 31 against 51 us hot, 113 against 75 us cold)
@@ -37,21 +37,26 @@ def _matmul_linear(x2: Tensor, weight: Tensor) -> Tensor:
     return (weight @ x2.T).T[:rows].contiguous()
 
 
-def _best_seconds(fn) -> float:
-    fn()
-    best = math.inf
-    for _ in range(_TIMING_REPS):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+def _best_seconds_interleaved(a, b) -> tuple[float, float]:
+    """(best seconds of ``a``, of ``b``) over ``_TIMING_REPS`` rounds after a warm-up, the two run back to
+    back in an order that alternates by round (a b, b a, ...): a burst of load from another job slows both
+    alike or spares one round of each, where timing all of ``a`` and then all of ``b`` lets one burst pick the
+    kernel for the rest of the process."""
+    a(), b()
+    best = [math.inf, math.inf]
+    for r in range(_TIMING_REPS):
+        for i in ((0, 1) if r % 2 == 0 else (1, 0)):
+            t0 = time.perf_counter()
+            (a, b)[i]()
+            best[i] = min(best[i], time.perf_counter() - t0)
+    return best[0], best[1]
 
 
 def _matmul_faster(weight: Tensor, rows: int) -> bool:
     """Whether ``weight @ x.T`` beats ``F.linear`` for ``rows`` rows of this weight's shape on this CPU,
-    timed once per shape, row count, dtype and thread count (random inputs, no grad), each kernel over
-    the same cycle of weight copies (``_STREAM_BYTES`` in all, ``_MAX_COPIES`` at most) so that
-    neither finds the weight in cache."""
+    timed once per shape, row count, dtype and thread count (random inputs, no grad), interleaved
+    (``_best_seconds_interleaved``), each kernel over the same cycle of weight copies (``_STREAM_BYTES`` in
+    all, ``_MAX_COPIES`` at most) so that neither finds the weight in cache."""
     key = (*weight.shape, rows, weight.dtype, torch.get_num_threads())
     if key not in _FASTER:
         with torch.no_grad():
@@ -59,8 +64,9 @@ def _matmul_faster(weight: Tensor, rows: int) -> bool:
             n = min(_MAX_COPIES, math.ceil(_STREAM_BYTES / (w.numel() * w.element_size())))
             copies = [w] + [w.clone() for _ in range(n - 1)]
             x = torch.randn(rows, w.shape[1], dtype=w.dtype)
-            matmul = _best_seconds(lambda: [_matmul_linear(x, c) for c in copies])
-            _FASTER[key] = matmul < _best_seconds(lambda: [F.linear(x, c) for c in copies])
+            matmul, linear = _best_seconds_interleaved(lambda: [_matmul_linear(x, c) for c in copies],
+                                                       lambda: [F.linear(x, c) for c in copies])
+            _FASTER[key] = matmul < linear
     return _FASTER[key]
 
 

@@ -326,3 +326,11 @@ def test_demo_and_ablate_arms_log_to_the_trackers_asked_for(tmp_path):
                        tmp_path / "runs")
     assert [c.train.report_to for c in cfgs] == [("tensorboard", "mlflow")] * len(recipe.arms)
     assert with_trackers(recipe, ()) is recipe
+
+
+def test_a_tracked_run_that_cannot_be_reopened_is_named_in_one_line(monkeypatch, tmp_path):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    (tmp_path / tracking.STATE_FILE).write_text(json.dumps({"mlflow": {"id": "f00d"}}))
+    with pytest.raises(tracking.TrackingError, match=r"^mlflow could not open its run \(reopening \{'id': 'f00d'\} of "
+                                                     rf"{tmp_path / tracking.STATE_FILE}\): MlflowException: "):
+        tracking.open_trackers(["mlflow"], tmp_path, name="run", config={}, first_step=3, resume=True, logged=4)

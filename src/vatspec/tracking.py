@@ -357,12 +357,19 @@ def open_trackers(names: Sequence[str], run_dir: Path, *, name: str, config: dic
     opened: list[Tracker] = []
     try:
         for n in names:
-            opened.append(BACKENDS[n](run_dir, name, config, first_step, saved.get(n)))
+            try:
+                opened.append(BACKENDS[n](run_dir, name, config, first_step, saved.get(n)))
+            except TrackingError:
+                raise
+            except Exception as e:  # the library's own error (a store, a login, a lost run), said in one line
+                again = f" (reopening {saved[n]} of {path})" if n in saved else ""
+                raise TrackingError(f"{n} could not open its run{again}: {type(e).__name__}: {e}") from e
     except BaseException:
         for t in opened:
             t.close(ok=False)
         raise
-    path.write_text(json.dumps({t.kind: t.state() for t in opened}, indent=1) + "\n")
+    # a resumed run keeps the ids of trackers it does not use now, to reopen them later
+    path.write_text(json.dumps({**saved, **{t.kind: t.state() for t in opened}}, indent=1) + "\n")
     return Trackers(opened, {n: logged for n in saved if n in names})
 
 

@@ -174,32 +174,29 @@ class RoundTimings:
         return np.array([self.cost(rng.integers(0, n, size=n))[0] for _ in range(resamples)])
 
 
-def nondecreasing(values: Sequence[float], weights: Sequence[float] | None = None) -> list[float]:
+def nondecreasing(values: Sequence[float]) -> list[float]:
     """The least-squares non-decreasing fit of ``values`` (pool adjacent violators): each run that goes down is
-    replaced by its weighted mean. Worked example: [1, 0.68, 0.66, 1.3] -> [0.78, 0.78, 0.78, 1.3]; with weights
-    [1e9, 1, 1, 1] the first value is held: [1, 1, 1, 1.3]."""
-    w = [1.0] * len(values) if weights is None else [float(x) for x in weights]
-    blocks: list[list[float]] = []  # [mean, weight, count]
-    for x, wx in zip(values, w):
-        blocks.append([float(x), wx, 1])
+    replaced by its mean. Worked example: [1, 0.68, 0.66, 1.3] -> [0.78, 0.78, 0.78, 1.3]."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for x in values:
+        blocks.append([float(x), 1])
         while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-            (m1, w1, c1), (m2, w2, c2) = blocks.pop(-2), blocks.pop()
-            blocks.append([(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2, c1 + c2])
-    return [m for m, _, c in blocks for _ in range(c)]
-
-
-HELD = 1e9  # the weight that holds cost[0] = 1 (one AR step by definition) in the monotone fit
+            (m1, c1), (m2, c2) = blocks.pop(-2), blocks.pop()
+            blocks.append([(m1 * c1 + m2 * c2) / (c1 + c2), c1 + c2])
+    return [m for m, c in blocks for _ in range(int(c))]
 
 
 def fit_cost(verify: Sequence[float], draft: Sequence[float]) -> tuple[list[float], list[float]]:
     """(fitted, measured) ``[k_max + 1]`` round costs from ``verify[n]`` (n = 0 .. k_max + 1, AR steps; [0]
-    unused) and ``draft[k]`` (k = 0 .. k_max). A target pass over more tokens, or a longer draft, cannot cost
-    less, so each piece is fitted non-decreasing before they are added: verify from the AR step itself (a
-    1-token pass, held at 1) up, draft from k = 0 up. ``cost[k] = draft[k] + verify[k + 1]``, ``cost[0] = 1``."""
+    unused) and ``draft[k]`` (k = 0 .. k_max): ``cost[k] = draft[k] + verify[k + 1]``, ``cost[0] = 1``. A
+    target pass over more tokens, or a longer draft, cannot cost less, so each piece is fitted non-decreasing
+    before they are added, and no k >= 1 costs less than the AR step (the least-squares fit under that bound
+    is the unbounded one clipped to it). Worked example: verify [-, 0.93, 0.92, 1.3], draft [0.03, 0.06, 0.09]
+    -> verify 0.925 0.925 1.3; costs as timed 1, 0.98, 1.39 -> fitted 1, 1.0, 1.39."""
     k_max = len(draft) - 1
-    v = nondecreasing([1.0, *verify[1:]], [HELD] + [1.0] * (k_max + 1))  # v[n] for n = 0 (the AR step) .. k_max + 1
+    v = nondecreasing(verify[1:])  # v[k]: a pass over k + 1 tokens
     d = nondecreasing(draft)
-    fitted = [1.0] + [d[k] + v[k + 1] for k in range(1, k_max + 1)]
+    fitted = [1.0] + [max(1.0, d[k] + v[k]) for k in range(1, k_max + 1)]
     measured = [1.0] + [float(draft[k] + verify[k + 1]) for k in range(1, k_max + 1)]
     return fitted, measured
 

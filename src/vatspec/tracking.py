@@ -10,17 +10,17 @@ record goes as a scalar, a list (the per-position ``train/acc``) as one scalar p
 and folder. Where each one writes, unless the user's own settings say otherwise:
 
     tensorboard  RUN/tensorboard/
-    wandb        RUN/wandb/ ($WANDB_DIR), online or offline as the user's wandb settings say (WANDB_MODE=offline
+    wandb        RUN/wandb/ (or $WANDB_DIR), online or offline as the user's wandb settings say (WANDB_MODE=offline
                  needs no account); vatspec sets nothing that goes online
-    trackio      trackio's local store ($TRACKIO_DIR), project "vatspec"
+    trackio      trackio's local store (or $TRACKIO_DIR), project "vatspec"
     mlflow       RUN/mlflow/mlflow.db and RUN/mlflow/artifacts/, or $MLFLOW_TRACKING_URI
 
 Resume: each tracker's run id is kept in ``RUN/trackers.json`` and ``--resume`` reopens that run. Every step
 reads back once. TensorBoard purges the steps after the checkpoint (``purge_step``) and takes them again, as
 ``metrics.jsonl`` does. wandb, Trackio and MLflow cannot drop a step they hold: they keep what the killed run
 gave them (the steps ``metrics.jsonl`` held, ``logged``) and take only later steps; a resumed run computes
-those steps again to the same values (tests/test_train.py), ``tokens_per_s`` aside. A step a tracker had
-queued but not written when the process died is missing there, never doubled.
+those steps again to the same values (tests/test_train.py), ``tokens_per_s`` and ``peak_memory_mib`` aside.
+A step a tracker had queued but not written when the process died is missing there, never doubled.
 """
 
 from __future__ import annotations

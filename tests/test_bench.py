@@ -88,7 +88,7 @@ def test_evaluate_interleaves_and_warms_up(tiny, monkeypatch):
 
     monkeypatch.setattr(bench, "generate", logged_generate)
     monkeypatch.setattr(bench, "hf_generate", logged_hf)
-    evaluate(target, methods, prompts, max_new_tokens=6, warmup=2, progress=False)
+    evaluate(target, methods, prompts, max_new_tokens=6, warmup=2, remeasure=0, progress=False)
     names = [AR, "good", "poor", HF]
     first = prompts["math"]
     want = [(n, tuple(first[i])) for i in range(2) for n in names]  # warm-up, fixed order
@@ -351,3 +351,34 @@ def test_round_cost_table_says_when_the_ar_baseline_ran_slow():
     slow = {AR: row(0.0, 6.0, 100), "m": row(0.3, 3.15, 75)}
     assert any("The AR baseline ran slow in this run" in ln and "m verified" in ln
                for ln in bench.round_cost_table(slow, ["b"], ["m"]))
+
+
+def test_a_prompt_hit_by_a_burst_is_measured_again():
+    """A scripted evaluation: per method a steady time per round, and a burst that triples every run of the
+    first measurement of prompt 1 (and, with ``stays``, its next one too)."""
+    names = [AR, "m"]
+
+    def group(i: int, turn: int, burst: float) -> dict:
+        slow = burst if i == 1 and turn < 2 else 1.0
+        return {n: {"prompt": i, "tokens": 10, "wall_s": 1.0 * slow, "rounds": 10, "draft_s": 0.0,
+                    "verify_s": (0.5 if n == "m" else 1.0) * slow} for n in names}
+
+    class Bar:
+        total = 0
+
+    for burst, turns_kept in ((3.0, 2), (1.1, None)):
+        calls = []
+
+        def run_group(b, bench, i, turn=0, calls=calls, burst=burst):
+            calls.append((i, turn))
+            return group(i, turn, burst)
+
+        groups = {(0, "x", i): group(i, 0, burst) for i in range(4)}
+        again = bench._remeasure(groups, run_group, names, 2, Bar())
+        if turns_kept is None:  # 1.1x: within a quiet machine's spread, nothing measured again
+            assert again == {} and calls == []
+            continue
+        # prompt 1 measured again twice: the first repeat still in the burst, the second quiet and kept
+        assert again == {"x": [1]} and calls == [(1, 1), (1, 2)]
+        assert groups[(0, "x", 1)][AR]["wall_s"] == 1.0 and groups[(0, "x", 1)]["m"]["remeasured"] == turns_kept
+        assert all("remeasured" not in groups[(0, "x", i)]["m"] for i in (0, 2, 3))

@@ -47,6 +47,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--calibration-prompts", type=int_arg(1), default=4, help="with --k auto: how many of them")
     parser.add_argument("--max-new-tokens", type=int_arg(1), default=256)
     parser.add_argument("--warmup", type=int_arg(0), default=1, help="prompts run untimed first")
+    parser.add_argument("--remeasure", type=int_arg(0), default=2,
+                        help="times a prompt is measured again when a burst of load hit one of its runs (0: never)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--exit-threshold", type=float_arg(0.0, 1.0), default=None, help="accept-head early exit")
     parser.add_argument("--no-head", action="store_true", help="ignore saved accept heads")
@@ -119,7 +121,7 @@ def _run(args: argparse.Namespace) -> int:
         target, methods, prompts, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
         warmup=args.warmup, seed=args.seed, exit_threshold=args.exit_threshold, k=k, top_k=args.top_k,
         top_p=args.top_p, draft_argmax=args.draft_argmax, hf_baseline=not args.no_hf,
-        recheck=list(calibration or ()),
+        recheck=list(calibration or ()), remeasure=args.remeasure,
     )
     if calibration:
         results["calibration"] = {name: c.to_dict() for name, c in calibration.items()}

@@ -367,12 +367,13 @@ def paired_tau_sim(chains: dict[str, list[int] | None], pairs: dict[str, str]) -
 
 
 def across_seeds_summary(recipe: Recipe, train_paired: dict, results: dict | None) -> dict:
-    """Per paired arm: its per-seed differences (held-out tau_sim per chain, and, decoded, tau per prompt) and
-    their mean over seeds with a 95% t-interval (``stats.across_seeds``)."""
-    from vatspec.bench import paired_tau
+    """Per paired arm: its per-seed differences (held-out tau_sim per chain, and, decoded, tau per prompt and the
+    speedup averaged over benchmarks) and their mean over seeds with a 95% t-interval (``stats.across_seeds``)."""
+    from vatspec.bench import paired_tau, speedup_intervals
     from vatspec.stats import across_seeds
 
     seeds = [recipe.names(s) for s in recipe.seeds()]
+    speed = speedup_intervals(results, recipe.seed_pairs()) if results is not None else None
     out = {}
     for arm, base in recipe.pairs.items():
         sims = [train_paired[n[arm]] for n in seeds if n[arm] in train_paired]
@@ -384,6 +385,9 @@ def across_seeds_summary(recipe: Recipe, train_paired: dict, results: dict | Non
             decs = [paired_tau(results, n[arm], n[base]) for n in seeds]
             row["decode_tau_per_seed"] = [d.estimate for d in decs]
             row["decode_tau"] = across_seeds(row["decode_tau_per_seed"], [d.base for d in decs]).to_dict()
+            fast = [speed["difference"][f"{n[arm]} vs {n[base]}"]["average"] for n in seeds]
+            row["speedup_per_seed"] = [d.estimate for d in fast]
+            row["speedup"] = across_seeds(row["speedup_per_seed"], [d.base for d in fast]).to_dict()
         out[arm] = row
     return out
 

@@ -72,7 +72,19 @@ def test_quick_demo_writes_a_complete_report(tmp_path):
         assert paired["low"] <= paired["estimate"] <= paired["high"]
     results = json.loads((out / "eval" / "results.json").read_text())
     cal, ks = results["calibration"], results["config"]["k"]
-    assert ks == {n: cal[n]["k"] for n in ARMS}  # decoded with the calibrated k
+    assert {n: ks[n] for n in ARMS} == {n: cal[n]["k"] for n in ARMS}  # decoded with the calibrated k
+    # a baseline's chosen k > 1 decodes at k = 1 beside it; the report says whether the choice held
+    assert results["config"]["recheck"] == {n: f"{n} @ k=1" for n in ("EAGLE-3", "DFlash") if cal[n]["k"] > 1}
+    assert "re-checked against k = 1" in report
+    # every method's speedup with its interval, and the pairs' differences, in the JSON and in words
+    intervals = results["speedup_intervals"]
+    assert set(intervals["speedup"]) >= {*ARMS, "hf_generate"}
+    assert set(intervals["difference"]) >= {"EAGLE-3 + VAT vs EAGLE-3", "DFlash + VAT vs DFlash"}
+    for name in ARMS:
+        iv = intervals["speedup"][name]["average"]
+        assert iv["estimate"] == pytest.approx(data["decode"][name]["average"]["speedup"])
+    assert "Speedup over the AR baseline with 95% intervals" in report and "the AR baseline" in report
+    assert "nan" not in report.lower().replace("nanos", "") and "inf×" not in report  # bench.check_finite too
     assert ks["EAGLE-3"] == ks["EAGLE-3 + VAT"] and ks["DFlash"] == ks["DFlash + VAT"]  # same settings per pair
     assert set(results["paired_tau"]) == {"EAGLE-3 + VAT", "DFlash + VAT"}
     benches = set(size.benches)
@@ -137,6 +149,10 @@ def test_seeds_report_the_vat_difference_across_seeds(tmp_path):
         assert row["tau_sim_per_seed"] == per
         assert row["tau_sim"]["estimate"] == pytest.approx(sum(per) / 2)
         assert row["decode_tau"]["low"] <= row["decode_tau"]["estimate"] <= row["decode_tau"]["high"]
+        fast = [results["speedup_intervals"]["difference"][f"{vat} (seed {s}) vs {base} (seed {s})"]["average"]
+                for s in (0, 1)]
+        assert row["speedup_per_seed"] == pytest.approx([d["estimate"] for d in fast])
+        assert row["speedup"]["estimate"] == pytest.approx(sum(row["speedup_per_seed"]) / 2)
     report = (out / "report.md").read_text()
     assert "## VAT vs baseline across training seeds" in report
     assert "mean over seeds" in report and report.count("| EAGLE-3 + VAT (seed ") >= 1

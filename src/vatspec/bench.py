@@ -556,6 +556,11 @@ def speedup_intervals(results: dict, pairs: Mapping[str, str] | None = None, *, 
     return out
 
 
+# below this many prompts in a benchmark, a percentile bootstrap within it under-covers (2 prompts give 3
+# distinct resamples; the demo's widths at 2 and 4 prompts: docs/LOG.md, 2026-12-07)
+FEW_PROMPTS = 4
+
+
 def speedup_words(name: str, iv) -> str:
     """One method's speedup interval in words; says plainly when it contains 1.0x (no change)."""
     head = f"{name}: {iv.estimate:.2f}× the AR baseline"
@@ -600,6 +605,10 @@ def speedup_lines(results: dict, intervals: dict) -> list[str]:
             cells = [f"{d[c].estimate:+.2f} [{d[c].low:+.2f}, {d[c].high:+.2f}]" if math.isfinite(d[c].low)
                      else f"{d[c].estimate:+.2f} [-]" for c in cols]
             lines.append(f"| {d['method']} | {d['vs']} | " + " | ".join(cells) + " |")
+    fewest = min(len(rs) for rs in results["runs"][AR].values())
+    if 2 <= fewest < FEW_PROMPTS:
+        lines += ["", f"With {fewest} prompts in a benchmark, resampling them gives few distinct draws: these "
+                  "intervals are narrower than the noise they stand for; more prompts per benchmark make them honest."]
     lines += ["", *("- " + speedup_words(DISPLAY.get(n, n), row["average"]) for n, row in intervals["speedup"].items()
                     if n != HF)]
     lines += ["- " + _difference_words("Speedup (average over benchmarks)", d["method"], d["vs"], d["average"])

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 import sys
 from collections import defaultdict
@@ -42,8 +43,8 @@ def stores(tmp_path_factory):
             if isinstance(v, Path):
                 v.mkdir()
             mp.setenv(k, str(v))
-        for k in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "WANDB_PROJECT", "WANDB_API_KEY",
-                  "TRACKIO_SPACE_ID", "TRACKIO_SERVER_URL"):
+        for k in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_DISABLE_TELEMETRY", "WANDB_PROJECT",
+                  "WANDB_API_KEY", "TRACKIO_SPACE_ID", "TRACKIO_SERVER_URL"):
             mp.delenv(k, raising=False)
         import trackio  # noqa: F401  its modules read $TRACKIO_DIR once, when first imported: set them all
 
@@ -235,6 +236,8 @@ def test_each_tracker_holds_what_metrics_jsonl_holds(runs, kind):
     assert [k for k, v in want.items() if not _same(held[k][0], v, rel)] == []
     steps, where = hyperparameters(kind, run)
     assert float(steps) == 4 and str(run) in where
+    if kind == "mlflow":  # MLflow's usage reports online are off unless the user turns them on
+        assert os.environ["MLFLOW_DISABLE_TELEMETRY"] == "true"
 
 
 @pytest.mark.parametrize("kind", TRACKERS)

@@ -13,7 +13,8 @@ and folder. Where each one writes, unless the user's own settings say otherwise:
     wandb        RUN/wandb/ (or $WANDB_DIR), online or offline as the user's wandb settings say (WANDB_MODE=offline
                  needs no account); vatspec sets nothing that goes online
     trackio      trackio's local store (or $TRACKIO_DIR), project "vatspec"
-    mlflow       RUN/mlflow/mlflow.db and RUN/mlflow/artifacts/, or $MLFLOW_TRACKING_URI
+    mlflow       RUN/mlflow/mlflow.db and RUN/mlflow/artifacts/, or $MLFLOW_TRACKING_URI; its usage telemetry off
+                 unless $MLFLOW_DISABLE_TELEMETRY says otherwise
 
 Resume: each tracker's run id is kept in ``RUN/trackers.json`` and ``--resume`` reopens that run. Every step
 reads back once. TensorBoard purges the steps after the checkpoint (``purge_step``) and takes them again, as
@@ -256,6 +257,8 @@ class MLflow(Tracker):
     kind = "mlflow"
 
     def __init__(self, run_dir: Path, name: str, config: dict, first_step: int, state: dict | None):
+        # MLflow reports its usage online unless told not to (read when it is imported); the user's own setting wins
+        os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
         from mlflow.entities import Metric, Param
         from mlflow.tracking import MlflowClient
 

@@ -382,3 +382,31 @@ def test_a_prompt_hit_by_a_burst_is_measured_again():
         assert again == {"x": [1]} and calls == [(1, 1), (1, 2)]
         assert groups[(0, "x", 1)][AR]["wall_s"] == 1.0 and groups[(0, "x", 1)]["m"]["remeasured"] == turns_kept
         assert all("remeasured" not in groups[(0, "x", i)]["m"] for i in (0, 2, 3))
+
+
+def test_recheck_says_when_calibration_timed_another_machine_state():
+    # calibration timed a round at k = 1 at 1.94 AR steps (a competing job); the decode, later, at 1.10
+    results = _timed_runs({AR: {"x": [1.0, 1.0]}, "m": {"x": [0.9, 0.9]}})
+    results["benchmarks"] = {"x": 2}
+    results["summary"] = {AR: {"x": {"draft_s": 0.0, "verify_s": 4.0, "rounds": 100}},
+                          "m": {"x": {"draft_s": 0.3, "verify_s": 3.0, "rounds": 75}}}
+    results["config"].update(k={"m": 1})
+    results["calibration"] = {"m": {"k": 1, "cost": [1.0, 1.94, 2.3]}}
+    lines = bench.recheck_lines(results, bench.speedup_intervals(results))
+    assert any("calibration timed a round at k = 1 at 1.94 AR steps, the decode at 1.10" in ln for ln in lines)
+    results["calibration"]["m"]["cost"] = [1.0, 1.15, 1.4]  # within 25% of the decode's: nothing said
+    assert not any("calibration timed" in ln for ln in bench.recheck_lines(results, bench.speedup_intervals(results)))
+
+
+def test_runs_too_short_to_judge_are_not_called_disturbed():
+    # HF generate's time holds the prefill, and a run of 3 rounds (an early EOS) is mostly its own noise
+    assert bench.seconds_per_round({"tokens": 7, "wall_s": 1.0}) is None
+    assert bench.seconds_per_round({"rounds": 3, "draft_s": 0.0, "verify_s": 0.3}) is None
+    assert bench.seconds_per_round({"rounds": 10, "draft_s": 0.1, "verify_s": 0.4}) == pytest.approx(0.05)
+
+    class Bar:
+        total = 0
+
+    groups = {(0, "x", i): {AR: {"rounds": 10, "draft_s": 0.0, "verify_s": 1.0},
+                            HF: {"tokens": 7 if i == 0 else 48, "wall_s": 1.0}} for i in range(3)}
+    assert bench._remeasure(groups, lambda *a: pytest.fail("measured again"), [AR, HF], 2, Bar()) == {}

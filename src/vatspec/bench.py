@@ -82,17 +82,20 @@ def run_order(names: Sequence[str], num_prompts: int) -> list[list[str]]:
 
 
 # a run that took this many times its method's median time per round (over the evaluation's prompts) was hit by
-# a burst of load: on a quiet machine the runs of one method stay within ~1.2x of each other (prompt lengths of
-# 30 to 400 tokens move a 135M target's pass by < 10%)
+# a burst of load: on a quiet machine the runs of one method stay within ~1.2x of each other (demo run 30: a
+# round of 36-48 ms for the AR loop over prompts of 37 to 167 tokens)
 DISTURBED = 1.3
 
 
-def seconds_per_round(rec: dict) -> float:
-    """A run's wall time per target pass: (draft + verify) / rounds in the decode loop, wall / tokens for
-    HF ``generate``."""
-    if rec.get("rounds"):
-        return (rec["draft_s"] + rec["verify_s"]) / rec["rounds"]
-    return rec["wall_s"] / max(rec["tokens"], 1)
+MIN_ROUNDS = 8  # a run of fewer rounds (an early EOS) is too short to tell a burst from its own noise
+
+
+def seconds_per_round(rec: dict) -> float | None:
+    """A decode-loop run's wall time per round, (draft + verify) / rounds, prefill aside; None for a run
+    too short to judge (``MIN_ROUNDS``) and for HF ``generate``, whose time holds the prefill."""
+    if rec.get("rounds", 0) < MIN_ROUNDS:
+        return None
+    return (rec["draft_s"] + rec["verify_s"]) / rec["rounds"]
 
 
 def _remeasure(groups: dict, run_group, names: Sequence[str], limit: int, bar) -> dict[str, list[int]]:
@@ -101,10 +104,11 @@ def _remeasure(groups: dict, run_group, names: Sequence[str], limit: int, bar) -
     measurement), and keep the group whose worst run is the least disturbed: the whole group, so every run of
     a prompt still shares its machine state with the AR run it is compared with. Returns the prompts measured
     again, per benchmark."""
-    medians = {n: statistics.median(seconds_per_round(g[n]) for g in groups.values()) for n in names}
+    timed = {n: [t for g in groups.values() if (t := seconds_per_round(g[n])) is not None] for n in names}
+    medians = {n: statistics.median(ts) for n, ts in timed.items() if ts}
 
     def worst(recs: dict) -> float:
-        return max(seconds_per_round(recs[n]) / medians[n] for n in names)
+        return max([t / medians[n] for n in medians if (t := seconds_per_round(recs[n])) is not None], default=0.0)
 
     again: dict[str, list[int]] = {}
     for key, recs in groups.items():
@@ -624,6 +628,12 @@ def recheck_lines(results: dict, intervals: dict) -> list[str]:
     lines = ["The chosen k, re-checked against k = 1 on this run's own interleaved timing (the same draft decoded "
              "at k = 1 beside it on every prompt):", ""]
     for name in chosen:
+        timed = results["calibration"][name].get("cost", [None] * (ks[name] + 1))[ks[name]]
+        decoded = _round_cost(results, name) if timed is not None else None
+        if timed is not None and abs(timed - decoded) > COST_DRIFT * decoded:
+            lines.append(f"- {name}: calibration timed a round at k = {ks[name]} at {timed:.2f} AR steps, the decode "
+                         f"at {decoded:.2f}: the machine's load changed between them, and the k chosen (and its "
+                         "expected speedup) rests on the calibration's timing.")
         if name not in rechecks:
             lines.append(f"- {name}: k = {ks[name]} was chosen; nothing to re-check.")
             continue
@@ -637,6 +647,19 @@ def recheck_lines(results: dict, intervals: dict) -> list[str]:
                         ": **the choice did not hold**: k = 1 was faster on this run, so the calibration's timing "
                         "misjudged the cost of a longer draft (a busy machine, or too few calibration rounds)."))
     return lines
+
+
+# calibration's round cost and the decode's may differ this much (a share of the decode's) on one machine state:
+# the calibration times one prompt's context, the decode every benchmark prompt's (runs 17-30: within 0.1 AR step)
+COST_DRIFT = 0.25
+
+
+def _round_cost(results: dict, name: str) -> float:
+    """``name``'s decode time per round (draft + verify) in AR steps, pooled over benchmarks."""
+    def per_round(n: str) -> float:
+        rows = [results["summary"][n][b] for b in results["benchmarks"]]
+        return sum(r["draft_s"] + r["verify_s"] for r in rows) / sum(r["rounds"] for r in rows)
+    return per_round(name) / per_round(AR)
 
 
 def round_cost_table(summary: dict, benches: Sequence[str], methods: Sequence[str]) -> list[str]:

@@ -5,7 +5,7 @@ Each path trains its own copy of the recipe's arms from the demo's feature cache
 optimizer step per round, the order rotated every round (``timer.SideBySide``), and logs every step as
 ``vatspec train`` does at the demo's ``train.log_every=1``: through each path's own ``Checkpointer`` (``log``),
 ``none`` to ``metrics.jsonl`` only, ``trackers`` to ``metrics.jsonl`` and every tracker of ``--trackers``. The
-step is the loop's own (``loop._accumulate``, ``loop._apply``); held-out evaluations, the same for both paths,
+step is the loop's own (``loop.accumulate``, ``loop.apply_step``); held-out evaluations, the same for both paths,
 are left out. Goal: trackers / none <= 1.02.
 
     .venv/bin/python perf/bench_tracking.py [--trackers tensorboard,wandb,trackio,mlflow] [--steps 16] [--threads 2]
@@ -35,7 +35,7 @@ from vatspec.commands.demo import with_trackers
 from vatspec.target import open_target, vatspec_home
 from vatspec.tracking import check_installed, parse_report_to
 from vatspec.train import Checkpointer, build_arm, load_training_data, lockstep_key
-from vatspec.train.loop import _accumulate, _apply, _peak_memory_mib
+from vatspec.train.loop import accumulate, apply_step, peak_memory_mib
 
 
 def main() -> None:
@@ -92,13 +92,13 @@ def main() -> None:
 def _step(arms, td, run: Checkpointer, step: int, device) -> None:
     """One optimizer step of a lockstep group, logged: ``loop._loop``'s step and record, held-out evaluation aside."""
     t0 = time.perf_counter()
-    accs, parts, n_tokens = _accumulate(arms, td, step, 0, device)
-    norms = [_apply(arm) for arm in arms]
+    accs, parts, n_tokens = accumulate(arms, td, step, 0, device)
+    norms = [apply_step(arm) for arm in arms]
     tokens_per_s = n_tokens / (time.perf_counter() - t0)
     for arm, acc, part, norm in zip(arms, accs, parts, norms):
         record = {"step": step + 1, "lr": arm.sched.get_last_lr()[0], "grad_norm": norm, "tokens_per_s": tokens_per_s,
                   **part, **{f"train/{k}": v for k, v in acc.summary().items()},
-                  "peak_memory_mib": _peak_memory_mib(device)}
+                  "peak_memory_mib": peak_memory_mib(device)}
         run.log(arm, record)
 
 

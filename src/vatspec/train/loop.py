@@ -140,14 +140,14 @@ def _loop(arms: list[A.Arm], data: TrainData, run: Checkpointer, step: int, *, r
     finals: list[dict] = [{} for _ in arms]
     t_last = time.perf_counter()
     while step < data.total:
-        accs, parts, n_tokens = _accumulate(arms, data, step, rank, device)
+        accs, parts, n_tokens = accumulate(arms, data, step, rank, device)
         tokens_per_s = n_tokens * world / max(time.perf_counter() - t_last, 1e-9)  # training only, not eval
         step += 1
         last = step == data.total
-        grad_norms = [_apply(arm) for arm in arms]
+        grad_norms = [apply_step(arm) for arm in arms]
         do_eval = last or bool(cfg.train.eval_every and step % cfg.train.eval_every == 0)
         evals = A.evaluate_arms(arms, data.source, data.held_ex, cfg, device) if do_eval else [{} for _ in arms]
-        records, peak_mib = [], _peak_memory_mib(device)
+        records, peak_mib = [], peak_memory_mib(device)
         for i, arm in enumerate(arms):
             record = {"step": step, "lr": arm.sched.get_last_lr()[0], "grad_norm": grad_norms[i],
                       "tokens_per_s": tokens_per_s, **parts[i]}
@@ -177,7 +177,7 @@ def _loop(arms: list[A.Arm], data: TrainData, run: Checkpointer, step: int, *, r
     return finals
 
 
-def _accumulate(arms: list[A.Arm], data: TrainData, step: int, rank: int, device):
+def accumulate(arms: list[A.Arm], data: TrainData, step: int, rank: int, device):
     """One optimiser step's gradients for every arm: ``optim.grad_accum`` micro-batches, each loss scaled down
     by it. Returns each arm's metric accumulator and loss parts, and the tokens seen."""
     cfg, accum = arms[0].cfg, arms[0].cfg.optim.grad_accum
@@ -198,7 +198,7 @@ def _accumulate(arms: list[A.Arm], data: TrainData, step: int, rank: int, device
     return accs, parts, n_tokens
 
 
-def _apply(arm: A.Arm) -> float:
+def apply_step(arm: A.Arm) -> float:
     """Clip the arm's gradients, step its optimiser and schedule; the gradient norm before clipping."""
     norm = torch.nn.utils.clip_grad_norm_(arm.params, arm.optim_cfg.grad_clip)
     arm.opt.step()
@@ -206,7 +206,7 @@ def _apply(arm: A.Arm) -> float:
     return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # fsdp: a DTensor
 
 
-def _peak_memory_mib(device) -> float:
+def peak_memory_mib(device) -> float:
     """The peak memory so far, in MiB: torch's allocations on a GPU, the process's resident set on a CPU (torch
     keeps no CPU allocator statistics; the target and data are in it too)."""
     if device.type == "cuda":

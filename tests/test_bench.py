@@ -410,3 +410,33 @@ def test_runs_too_short_to_judge_are_not_called_disturbed():
     groups = {(0, "x", i): {AR: {"rounds": 10, "draft_s": 0.0, "verify_s": 1.0},
                             HF: {"tokens": 7 if i == 0 else 48, "wall_s": 1.0}} for i in range(3)}
     assert bench._remeasure(groups, lambda *a: pytest.fail("measured again"), [AR, HF], 2, Bar()) == {}
+
+
+def test_a_prompt_measured_while_other_work_ran_is_measured_again():
+    # every run as fast as the others (the timing sees nothing), but other work took a core during prompt 2's
+    # first measurement
+    names = [AR, "m"]
+
+    def group(i: int, turn: int) -> dict:
+        busy = 1.0 if i == 2 and turn == 0 else 0.02
+        return {n: {"prompt": i, "tokens": 10, "wall_s": 1.0, "rounds": 10, "draft_s": 0.0, "verify_s": 1.0,
+                    "others_cores": busy} for n in names}
+
+    class Bar:
+        total = 0
+
+    calls = []
+    groups = {(0, "x", i): group(i, 0) for i in range(4)}
+    again = bench._remeasure(groups, lambda b, bench_, i, turn: calls.append((i, turn)) or group(i, turn), names, 2,
+                             Bar())
+    assert again == {"x": [2]} and calls == [(2, 1)]
+    assert groups[(0, "x", 2)][AR]["others_cores"] == 0.02 and groups[(0, "x", 2)]["m"]["remeasured"] == 1
+
+
+def test_calibration_lines_say_when_other_work_ran():
+    cal = {"k": 1, "survival": [1.0, 0.35], "cost": [1.0, 1.9], "speedup": [1.0, 0.7], "faster": [0.0, 0.0],
+           "rounds": 103, "ar_wins": True, "others_cores": 1.8}
+    lines = "\n".join(bench.calibration_lines({"EAGLE-3": cal}))
+    assert "Other work took cores of this machine while calibration timed the rounds of EAGLE-3 (1.8)" in lines
+    quiet = bench.calibration_lines({"EAGLE-3": {**cal, "others_cores": 0.0}})
+    assert "describe a busy machine" not in "\n".join(quiet)

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from vatspec.decode import generate
+from vatspec.machine import BUSY, OtherLoad
 
 log = logging.getLogger(__name__)
 
@@ -99,16 +100,19 @@ def seconds_per_round(rec: dict) -> float | None:
 
 
 def _remeasure(groups: dict, run_group, names: Sequence[str], limit: int, bar) -> dict[str, list[int]]:
-    """Measure again, up to ``limit`` times, each prompt whose group has a run that took more than
-    ``DISTURBED`` times its method's median time per round (the medians over every prompt's first
-    measurement), and keep the group whose worst run is the least disturbed: the whole group, so every run of
-    a prompt still shares its machine state with the AR run it is compared with. Returns the prompts measured
-    again, per benchmark."""
+    """Measure again, up to ``limit`` times, each prompt whose group has a disturbed run, and keep the group
+    whose worst run is the least disturbed: the whole group, so every run of a prompt still shares its machine
+    state with the AR run it is compared with. A run is disturbed when it took more than ``DISTURBED`` times
+    its method's median time per round (the medians over every prompt's first measurement), or when other
+    work took more than ``machine.BUSY`` cores during it (a steady job slows every run of a prompt, but not
+    alike: the timing alone cannot see it). Returns the prompts measured again, per benchmark."""
     timed = {n: [t for g in groups.values() if (t := seconds_per_round(g[n])) is not None] for n in names}
     medians = {n: statistics.median(ts) for n, ts in timed.items() if ts}
 
-    def worst(recs: dict) -> float:
-        return max([t / medians[n] for n in medians if (t := seconds_per_round(recs[n])) is not None], default=0.0)
+    def worst(recs: dict) -> float:  # > DISTURBED: disturbed
+        slow = [t / medians[n] for n in medians if (t := seconds_per_round(recs[n])) is not None]
+        busy = [DISTURBED * r["others_cores"] / BUSY for r in recs.values() if r.get("others_cores") is not None]
+        return max([*slow, *busy], default=0.0)
 
     again: dict[str, list[int]] = {}
     for key, recs in groups.items():
@@ -237,18 +241,19 @@ def evaluate(
                   draft_argmax=draft_argmax)
 
     def run_one(name: str, ids: list[int], gen_seed: int) -> dict:
-        if name == HF:
-            toks, wall = hf_generate(target, ids, max_new_tokens)
-            return {"tokens": len(toks), "wall_s": wall, "_out": toks}
-        drafter, head = (None, None) if name == AR else methods[name]
-        g = torch.Generator(device=device).manual_seed(gen_seed)
-        res = generate(target, ids, drafter, k=k_of.get(name), head=head,
-                       exit_threshold=exit_threshold if head is not None else None, generator=g, **gen_kw)
-        return {
-            "tokens": len(res.tokens), "wall_s": res.wall_s, "rounds": len(res.rounds),
-            "committed": sum(res.tokens_per_step), "histogram": res.histogram, "prefill_s": res.prefill_s,
-            "draft_s": res.draft_s, "verify_s": res.verify_s, "stop": res.stop, "_out": res.tokens,
-        }
+        with OtherLoad() as load:  # the CPU other work took meanwhile: a busy machine is measured again
+            if name == HF:
+                toks, wall = hf_generate(target, ids, max_new_tokens)
+                rec = {"tokens": len(toks), "wall_s": wall, "_out": toks}
+            else:
+                drafter, head = (None, None) if name == AR else methods[name]
+                g = torch.Generator(device=device).manual_seed(gen_seed)
+                res = generate(target, ids, drafter, k=k_of.get(name), head=head,
+                               exit_threshold=exit_threshold if head is not None else None, generator=g, **gen_kw)
+                rec = {"tokens": len(res.tokens), "wall_s": res.wall_s, "rounds": len(res.rounds),
+                       "committed": sum(res.tokens_per_step), "histogram": res.histogram, "prefill_s": res.prefill_s,
+                       "draft_s": res.draft_s, "verify_s": res.verify_s, "stop": res.stop, "_out": res.tokens}
+        return {**rec, "others_cores": load.cores}
 
     first = next(iter(ids_by_bench.values()))
     n_warm = min(warmup, len(first))
@@ -420,9 +425,9 @@ def remeasure_lines(results: dict) -> list[str]:
     still = [f"{b} #{i}" for b, idx in again.items() for i in idx
              if runs[b][i].get("disturbance", 0) > cfg["disturbed_above"]]
     text = (f"{n} prompt(s) were measured again ({', '.join(f'{b} #{i}' for b, idx in again.items() for i in idx)}): "
-            f"one of their runs took more than {cfg['disturbed_above']:.1f}x its method's median time per round, "
-            f"the mark of a burst of load; up to {cfg['remeasure']} more measurements of the whole prompt, the least "
-            "disturbed kept.")
+            f"one of their runs took more than {cfg['disturbed_above']:.1f}x its method's median time per round, or "
+            f"other work took more than {BUSY} of a core during it; up to {cfg['remeasure']} more measurements of "
+            "the whole prompt, the least disturbed kept.")
     if still:
         text += (f" Still disturbed after that: {', '.join(still)}; the machine stayed busy, and the intervals below "
                  "carry that noise.")
@@ -468,6 +473,11 @@ def calibration_lines(calibration: Mapping[str, dict]) -> list[str]:
         row = [" ".join(f"{x:.2f}" for x in c[f][start:]) if f in c else "-" for f, start in
                (("survival", 1), ("cost", 0), ("cost_measured", 0), ("speedup", 0), ("faster", 1))]
         lines.append(f"| {name} | {c['k']} | " + " | ".join([*row[:4], str(c["rounds"]), row[4]]) + " |")
+    busy = [f"{name} ({c['others_cores']:.1f})" for name, c in calibration.items()
+            if (c.get("others_cores") or 0) > BUSY and "chosen_on" not in c]
+    if busy:
+        lines += ["", f"Other work took cores of this machine while calibration timed the rounds of {', '.join(busy)} "
+                  "(cores in brackets): those costs, and the k chosen on them, describe a busy machine."]
     slow = [name for name, c in calibration.items() if c.get("ar_wins") and "chosen_on" not in c]
     if slow:
         lines += ["", f"For {', '.join(slow)} even the best k is expected to be slower than decoding without the "

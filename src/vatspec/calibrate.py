@@ -50,6 +50,7 @@ import numpy as np
 import torch
 
 from vatspec.decode import Round, generate
+from vatspec.machine import OtherLoad
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,7 @@ class Calibration:
     confidence: float  # the share a larger k needs to replace a smaller one
     cost_measured: list[float]  # the round cost as timed (medians), before the non-decreasing fit
     reps: int  # timing repetitions the costs are medians of
+    others_cores: float | None = None  # cores other work took while the costs were timed (machine.OtherLoad)
 
     @property
     def ar_wins(self) -> bool:
@@ -279,7 +281,8 @@ def calibrate(target, drafter, prompts: Sequence[Sequence[int]], *, k_max: int |
     for ids in prompts:
         rounds += generate(target, ids, drafter, k=k_max, max_new_tokens=max_new_tokens).rounds
     survival = acceptance_survival(rounds, k_max)
-    timings = measure_round_timings(target, drafter, prompts[0], k_max, reps=reps)
+    with OtherLoad() as load:
+        timings = measure_round_timings(target, drafter, prompts[0], k_max, reps=reps)
     cost, measured = timings.cost()
     tokens, speedup = expected_speedup(survival, cost)
     resampled = bootstrap_survival(rounds, k_max, resamples=resamples, seed=seed)
@@ -288,4 +291,4 @@ def calibrate(target, drafter, prompts: Sequence[Sequence[int]], *, k_max: int |
     fast = _resampled_speedup(resampled, resampled_cost)
     faster = [float(np.mean(fast[:, j] > fast[:, k])) for j in range(k_max + 1)]
     return Calibration(k, survival, cost, tokens, speedup, len(rounds), float(np.median(timings.ar)), faster,
-                       confidence, measured, reps)
+                       confidence, measured, reps, load.cores)

@@ -83,9 +83,10 @@ def run_order(names: Sequence[str], num_prompts: int) -> list[list[str]]:
 
 
 # a run that took this many times its method's median time per round (over the evaluation's prompts) was hit by
-# a burst of load: on a quiet machine the runs of one method stay within ~1.2x of each other (demo run 30: a
-# round of 36-48 ms for the AR loop over prompts of 37 to 167 tokens)
-DISTURBED = 1.3
+# a burst of load: on a quiet machine the runs of one method stay within ~1.4x of each other (demo runs 30a-d:
+# a round of 35-48 ms for the AR loop over prompts of 37 to 167 tokens); load from other processes is read
+# directly (machine.OtherLoad), so this mark only has to catch what the kernel's counters do not show
+DISTURBED = 1.5
 
 
 MIN_ROUNDS = 8  # a run of fewer rounds (an early EOS) is too short to tell a burst from its own noise

@@ -22,8 +22,9 @@ import sys
 
 import torch
 
-from vatspec.bench import AR, HF, evaluate, round_cost_table, write_report
+from vatspec.bench import AR, HF, evaluate
 from vatspec.drafts import open_draft
+from vatspec.eval_report import round_cost_table, write_report
 from vatspec.target import open_target
 
 PROMPTS = [

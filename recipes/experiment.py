@@ -369,7 +369,7 @@ def paired_tau_sim(chains: dict[str, list[int] | None], pairs: dict[str, str]) -
 def across_seeds_summary(recipe: Recipe, train_paired: dict, results: dict | None) -> dict:
     """Per paired arm: its per-seed differences (held-out tau_sim per chain, and, decoded, tau per prompt and the
     speedup averaged over benchmarks) and their mean over seeds with a 95% t-interval (``stats.across_seeds``)."""
-    from vatspec.bench import paired_tau, speedup_intervals
+    from vatspec.eval_report import paired_tau, speedup_intervals
     from vatspec.stats import across_seeds
 
     seeds = [recipe.names(s) for s in recipe.seeds()]

@@ -17,7 +17,7 @@ import re
 import shutil
 from pathlib import Path
 
-from vatspec.bench import relative_change
+from vatspec.eval_report import relative_change
 from vatspec.stats import pct
 
 FIELDS = ("estimate", "low", "high", "level", "units", "base")
@@ -26,7 +26,7 @@ FIELDS = ("estimate", "low", "high", "level", "units", "base")
 def write(recipe, out: Path, summary: dict, results: dict | None, cfgs: dict) -> None:
     """Write ``recipe.report``'s files into ``out`` (``results``: ``bench.evaluate``'s, None without decoding;
     ``cfgs``: result name -> its run config)."""
-    from vatspec import bench
+    from vatspec import eval_report
 
     curves = {n: read_curves(Path(c.train.out_dir)) for n, c in cfgs.items()}
     if recipe.report == "ablation":
@@ -34,7 +34,7 @@ def write(recipe, out: Path, summary: dict, results: dict | None, cfgs: dict) ->
         (out / "ablation.json").write_text(json.dumps(rows, indent=1, default=float))
         _write_md(out / "ablation.md", f"# {recipe.title}\n\n" + _scale(summary) + "\n\n" + ablation_table(rows))
         return
-    eval_paths = bench.write_report(results, out / "eval", relative_to=recipe.seed_pairs()) if results else {}
+    eval_paths = eval_report.write_report(results, out / "eval", relative_to=recipe.seed_pairs()) if results else {}
     if recipe.report == "objectives":
         rows = objective_rows(summary, results)
         summary["arms"], summary["baseline"] = rows, next(iter(rows))
@@ -53,7 +53,7 @@ def write(recipe, out: Path, summary: dict, results: dict | None, cfgs: dict) ->
 
 def _write_md(path: Path, text: str) -> None:
     """A report, once it is checked to print no nan or inf (the JSON beside it is written first)."""
-    from vatspec.bench import check_finite
+    from vatspec.eval_report import check_finite
 
     path.write_text(check_finite(text, str(path)))
 
@@ -88,7 +88,7 @@ def _scale(summary: dict) -> str:
 
 # ----------------------------------------------------------------------------- demo
 def demo_md(recipe, summary: dict, results: dict, eval_paths: dict) -> str:
-    from vatspec import bench
+    from vatspec import eval_report
     from vatspec.features.format import manifest_precision
 
     s, t, reg, feat = summary["size"], summary["timings_s"], summary["regeneration"], summary["features"]
@@ -120,7 +120,7 @@ def demo_md(recipe, summary: dict, results: dict, eval_paths: dict) -> str:
         *(["", f"Steps 4-5 (calibration, decoding, this report) were run again on {summary['redecoded']} by "
                "`vatspec demo --redecode` on the drafts this run trained; the training figures and the times of "
                "steps 1-3 are the original run's."] if summary.get("redecoded") else []),
-        *(["", "## Speculative decoding (temperature 0)", "", bench.markdown_table(results, relative_to=pairs),
+        *(["", "## Speculative decoding (temperature 0)", "", eval_report.markdown_table(results, relative_to=pairs),
             "![tau per benchmark](eval/tau.png)", "", "![acceptance-length histogram](eval/acceptance.png)"]
           if results else ["", "Nothing was decoded (the recipe's `decode: none`): held-out figures only."]),
         "",
@@ -238,7 +238,7 @@ def ablation_table(results: dict[str, dict]) -> str:
 def objective_rows(summary: dict, results: dict) -> dict[str, dict]:
     """Per arm: held-out tau_sim and decode tau, and (every arm but the first, the baseline) the paired
     differences from it: accepted drafts per held-out chain, tau per prompt."""
-    from vatspec.bench import paired_tau
+    from vatspec.eval_report import paired_tau
 
     finals = summary["train_final"]
     base = next(iter(finals))

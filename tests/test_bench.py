@@ -1,4 +1,5 @@
-"""``vatspec eval`` (``vatspec.bench``): interleaving, bookkeeping, report files, the command."""
+"""``vatspec eval``: its measurement (``vatspec.bench``: interleaving, bookkeeping, re-measurement), its report
+(``vatspec.eval_report``: tables, intervals, words, files) and the command."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ import torch
 
 from tests.test_decode import tiny_target
 from vatspec import bench
-from vatspec.bench import AR, HF, evaluate, markdown_table, prompt_ids, run_order, write_report
+from vatspec import eval_report as report
+from vatspec.bench import AR, HF, evaluate, prompt_ids, run_order
 from vatspec.commands.eval import _relative_to
 from vatspec.drafters.sampling import Proposal
+from vatspec.eval_report import markdown_table, write_report
 
 BOS = 1  # every test prompt starts with it, so the oracle below can rebuild the full sequence
 
@@ -261,12 +264,12 @@ def test_calibration_lines_do_not_repeat_a_baseline_row():
     repeating the baseline's measured numbers as if they were its own."""
     cal = {"k": 1, "survival": [1.0, 0.39, 0.10], "cost": [1.0, 1.19, 1.62], "speedup": [1.0, 1.16, 0.92],
            "faster": [0.0, 0.0, 0.0], "rounds": 101, "ar_wins": False}
-    lines = bench.calibration_lines({"EAGLE-3": cal, "EAGLE-3 + VAT": {**cal, "chosen_on": "EAGLE-3"}})
+    lines = report.calibration_lines({"EAGLE-3": cal, "EAGLE-3 + VAT": {**cal, "chosen_on": "EAGLE-3"}})
     base, vat = (next(ln for ln in lines if ln.startswith(f"| {n} |")) for n in ("EAGLE-3", "EAGLE-3 + VAT"))
     assert "0.39 0.10" in base and "| 101 |" in base
     assert vat == "| EAGLE-3 + VAT | 1 | EAGLE-3's k (the same decode settings) | | | | | |"
     slow_cal = {**cal, "ar_wins": True}
-    slow = bench.calibration_lines({"A": slow_cal, "A + VAT": {**slow_cal, "chosen_on": "A"}})
+    slow = report.calibration_lines({"A": slow_cal, "A + VAT": {**slow_cal, "chosen_on": "A"}})
     assert any(ln.startswith("For A even the best k") for ln in slow)
 
 
@@ -283,7 +286,7 @@ def test_speedup_intervals_by_hand():
         "fast": {"x": [0.5, 0.5, 0.5, 0.5], "y": [1.0, 1.0, 1.0]},  # twice as fast on every prompt
         "same": {"x": [1.1, 0.9, 1.05, 0.95], "y": [2.2, 1.8, 2.0]},  # as fast as AR, within the noise
     })
-    iv = bench.speedup_intervals(results, {"same": "fast"})
+    iv = report.speedup_intervals(results, {"same": "fast"})
     fast, same = iv["speedup"]["fast"], iv["speedup"]["same"]
     # every resample of "fast" is 2.0: an interval of zero width, excluding 1.0x
     assert fast["average"].estimate == pytest.approx(2.0) and fast["average"].low == pytest.approx(2.0)
@@ -291,16 +294,16 @@ def test_speedup_intervals_by_hand():
     # "same": tokens/s pooled per benchmark (40 / 4.0 against 40 / 4.0; 30 / 6.0 against 30 / 6.0), then averaged
     assert same["x"].estimate == pytest.approx(1.0) and same["average"].estimate == pytest.approx(1.0)
     assert same["average"].low < 1.0 < same["average"].high and same["average"].contains_null
-    assert "contains 1.0×" in bench.speedup_words("same", same["average"])
-    assert "excludes 1.0×, so it is faster" in bench.speedup_words("fast", fast["average"])
+    assert "contains 1.0×" in report.speedup_words("same", same["average"])
+    assert "excludes 1.0×, so it is faster" in report.speedup_words("fast", fast["average"])
     d = iv["difference"]["same vs fast"]
     assert d["method"] == "same" and d["vs"] == "fast"
     assert d["average"].estimate == pytest.approx(-1.0) and d["average"].high < 0 and d["average"].base == 2.0
     # a benchmark of one prompt cannot be resampled: no interval there, nor for the average, and the words say so
-    one = bench.speedup_intervals(_timed_runs({AR: {"x": [1.0, 1.0], "y": [1.0]}, "m": {"x": [0.5, 0.6], "y": [0.5]}}))
+    one = report.speedup_intervals(_timed_runs({AR: {"x": [1.0, 1.0], "y": [1.0]}, "m": {"x": [0.5, 0.6], "y": [0.5]}}))
     assert one["speedup"]["m"]["x"].resolved and not one["speedup"]["m"]["y"].resolved
     assert not one["speedup"]["m"]["average"].resolved and one["speedup"]["m"]["average"].contains_null
-    assert "no interval" in bench.speedup_words("m", one["speedup"]["m"]["average"])
+    assert "no interval" in report.speedup_words("m", one["speedup"]["m"]["average"])
     assert one["speedup"]["m"]["y"].to_dict()["low"] is None  # JSON: null, never NaN
 
 
@@ -314,28 +317,29 @@ def test_recheck_says_whether_the_chosen_k_held():
 
     slower = results(0.9)  # k = 3 runs at 1.11x, k = 1 at 1.25x on every prompt
     held = results(0.7)  # k = 3 at 1.43x
-    lines = bench.recheck_lines(slower, bench.speedup_intervals(slower))
+    lines = report.recheck_lines(slower, report.speedup_intervals(slower))
     assert any("m: k = 3 gave 1.11×" in ln and "the choice did not hold" in ln for ln in lines)
-    lines = bench.recheck_lines(held, bench.speedup_intervals(held))
+    lines = report.recheck_lines(held, report.speedup_intervals(held))
     assert any("the choice held" in ln for ln in lines) and not any("did not hold" in ln for ln in lines)
     one = {**held, "config": {**held["config"], "recheck": {}, "k": {"m": 1}}, "calibration": {"m": {"k": 1}}}
-    assert "k = 1 was chosen; nothing to re-check" in "\n".join(bench.recheck_lines(one, bench.speedup_intervals(one)))
+    lines = report.recheck_lines(one, report.speedup_intervals(one))
+    assert "k = 1 was chosen; nothing to re-check" in "\n".join(lines)
 
 
 def test_reports_print_no_nan():
     from vatspec.stats import Difference, pct
 
     # a change relative to a zero baseline does not exist: "-", never "+nan%" or "inf%"
-    assert bench.relative_change(0.5, 0.0) != bench.relative_change(0.5, 0.0)  # nan
-    assert pct(bench.relative_change(0.5, 0.0)) == "-" and pct(bench.relative_change(1.1, 1.0)) == "+10.0%"
+    assert report.relative_change(0.5, 0.0) != report.relative_change(0.5, 0.0)  # nan
+    assert pct(report.relative_change(0.5, 0.0)) == "-" and pct(report.relative_change(1.1, 1.0)) == "+10.0%"
     zero = Difference(0.0, 0.0, 0.0, 0.95, 8, 0.0)
     assert "(-)" in zero.sentence("Held-out accepted length per chain", "VAT", "base") and "nan" not in \
         zero.sentence("x", "a", "b")
     for bad in ("| a | nan |", "τ_sim: +nan%", "| 1.0× | inf× |", "-inf", "NaN"):
         with pytest.raises(ValueError, match="report.md:2: the report prints a non-finite number"):
-            bench.check_finite(f"ok\n{bad}\n", "report.md")
+            report.check_finite(f"ok\n{bad}\n", "report.md")
     text = "inference, info, infinite-looking words and a - for a missing figure | - |\n"
-    assert bench.check_finite(text, "report.md") == text
+    assert report.check_finite(text, "report.md") == text
 
 
 def test_round_cost_table_says_when_the_ar_baseline_ran_slow():
@@ -345,12 +349,12 @@ def test_round_cost_table_says_when_the_ar_baseline_ran_slow():
 
     # AR: 100 steps of 40 ms; the draft verifies 2 tokens in 42 ms a round (1.05 AR steps): a quiet run
     quiet = {AR: row(0.0, 4.0, 100), "m": row(0.3, 3.15, 75)}
-    lines = bench.round_cost_table(quiet, ["b"], ["m"])
+    lines = report.round_cost_table(quiet, ["b"], ["m"])
     assert "| m | 75 | 0.10 | 1.05 | 0.83 |" in lines and not any("ran slow" in ln for ln in lines)
     # AR steps of 60 ms against the same 42 ms verify: 0.70 AR steps, which no 2-token pass can cost
     slow = {AR: row(0.0, 6.0, 100), "m": row(0.3, 3.15, 75)}
     assert any("The AR baseline ran slow in this run" in ln and "m verified" in ln
-               for ln in bench.round_cost_table(slow, ["b"], ["m"]))
+               for ln in report.round_cost_table(slow, ["b"], ["m"]))
 
 
 def test_a_prompt_hit_by_a_burst_is_measured_again():
@@ -392,10 +396,10 @@ def test_recheck_says_when_calibration_timed_another_machine_state():
                           "m": {"x": {"draft_s": 0.3, "verify_s": 3.0, "rounds": 75}}}
     results["config"].update(k={"m": 1})
     results["calibration"] = {"m": {"k": 1, "cost": [1.0, 1.94, 2.3]}}
-    lines = bench.recheck_lines(results, bench.speedup_intervals(results))
+    lines = report.recheck_lines(results, report.speedup_intervals(results))
     assert any("calibration timed a round at k = 1 at 1.94 AR steps, the decode at 1.10" in ln for ln in lines)
     results["calibration"]["m"]["cost"] = [1.0, 1.15, 1.4]  # within 25% of the decode's: nothing said
-    assert not any("calibration timed" in ln for ln in bench.recheck_lines(results, bench.speedup_intervals(results)))
+    assert not any("calibration timed" in ln for ln in report.recheck_lines(results, report.speedup_intervals(results)))
 
 
 def test_runs_too_short_to_judge_are_not_called_disturbed():
@@ -436,7 +440,7 @@ def test_a_prompt_measured_while_other_work_ran_is_measured_again():
 def test_calibration_lines_say_when_other_work_ran():
     cal = {"k": 1, "survival": [1.0, 0.35], "cost": [1.0, 1.9], "speedup": [1.0, 0.7], "faster": [0.0, 0.0],
            "rounds": 103, "ar_wins": True, "others_cores": 1.8}
-    lines = "\n".join(bench.calibration_lines({"EAGLE-3": cal}))
+    lines = "\n".join(report.calibration_lines({"EAGLE-3": cal}))
     assert "Other work took cores of this machine while calibration timed the rounds of EAGLE-3 (1.8)" in lines
-    quiet = bench.calibration_lines({"EAGLE-3": {**cal, "others_cores": 0.0}})
+    quiet = report.calibration_lines({"EAGLE-3": {**cal, "others_cores": 0.0}})
     assert "describe a busy machine" not in "\n".join(quiet)

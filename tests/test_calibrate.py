@@ -178,6 +178,7 @@ def test_a_load_burst_during_calibration_does_not_choose_a_slower_k():
     import sys
 
     from vatspec import bench
+    from vatspec import eval_report as report
 
     target = tiny_target(vocab=256, layers=4, hidden=256, init=0.02)
     drafter = real_drafter(kind="eagle3", draft_vocab_size=128, ttt_steps=3)(target, None)
@@ -196,7 +197,7 @@ def test_a_load_burst_during_calibration_does_not_choose_a_slower_k():
                              max_new_tokens=24, warmup=1, k={name: cal.k}, recheck=[name], hf_baseline=False,
                              progress=False)
     results["calibration"] = {name: cal.to_dict()}
-    lines = "\n".join(bench.recheck_lines(results, bench.speedup_intervals(results)))
+    lines = "\n".join(report.recheck_lines(results, report.speedup_intervals(results)))
     assert "did not hold" not in lines, lines
     if cal.k == 1:
         assert "k = 1 was chosen; nothing to re-check" in lines

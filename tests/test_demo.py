@@ -84,7 +84,7 @@ def test_quick_demo_writes_a_complete_report(tmp_path):
         iv = intervals["speedup"][name]["average"]
         assert iv["estimate"] == pytest.approx(data["decode"][name]["average"]["speedup"])
     assert "Speedup over the AR baseline with 95% intervals" in report and "the AR baseline" in report
-    assert "nan" not in report.lower().replace("nanos", "") and "inf×" not in report  # bench.check_finite too
+    assert "nan" not in report.lower().replace("nanos", "") and "inf×" not in report  # eval_report.check_finite too
     assert ks["EAGLE-3"] == ks["EAGLE-3 + VAT"] and ks["DFlash"] == ks["DFlash + VAT"]  # same settings per pair
     assert set(results["paired_tau"]) == {"EAGLE-3 + VAT", "DFlash + VAT"}
     benches = set(size.benches)

@@ -1,5 +1,5 @@
 """``vatspec eval``: speculative decoding of each draft against the AR baseline on benchmarks
-(``vatspec.bench`` measures and writes the report).
+(``vatspec.bench`` measures, ``vatspec.eval_report`` writes the report).
 
     vatspec eval --draft base=runs/e3 --draft vat=runs/e3_vat --bench gsm8k --relative-to vat=base
 """
@@ -13,13 +13,14 @@ from pathlib import Path
 import torch
 
 from vatspec import benchmarks, data
-from vatspec.bench import AR, HF, evaluate, prompt_ids, write_report
+from vatspec.bench import AR, HF, evaluate, prompt_ids
 from vatspec.calibrate import calibrate
 from vatspec.checkpoint import CheckpointError
 from vatspec.commands import add_device_args, add_template_args, float_arg, int_arg, report, use_template
 from vatspec.data import DataError
 from vatspec.data.chat import check_settings
 from vatspec.drafts import open_draft
+from vatspec.eval_report import write_report
 from vatspec.export.record import recorded_template
 from vatspec.outputs import OutputError, check_apart, check_folder, claim_folder
 from vatspec.target import TargetError, open_target

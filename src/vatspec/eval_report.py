@@ -282,6 +282,8 @@ def _difference_words(what: str, a: str, b: str, d) -> str:
 def speedup_lines(results: dict, intervals: dict) -> list[str]:
     """Markdown: every method's speedup with its interval per benchmark and on average, the differences of the
     compared pairs, and both in words."""
+    if not intervals["speedup"]:  # the AR baseline alone: nothing to compare
+        return []
     cols = [*results["runs"][AR], "average"]
     level = round(100 * next(iter(next(iter(intervals["speedup"].values())).values())).level)
     lines = [f"Speedup over the AR baseline with {level}% intervals (paired bootstrap over prompts, resampled within "

@@ -19,6 +19,9 @@ from pathlib import Path
 # other work above this many cores during a run marks it as measured on a busy machine: a quiet machine's
 # daemons take ~0.01-0.05 of a core; a competing job, one core or more
 BUSY = 0.25
+# the kernel counts CPU time in ticks of 10 ms, so two counters read around a run may round ~30 ms apart: over
+# a window shorter than this (seconds) that is more than 0.06 of a core, and nothing is said
+MIN_WINDOW_S = 0.5
 
 
 def _busy_seconds() -> float | None:
@@ -41,7 +44,8 @@ def _own_seconds() -> float:
 
 class OtherLoad:
     """The cores other work took, on average, between ``__enter__`` and ``__exit__`` (``cores``; None where
-    the kernel does not say). Never negative: the two counters tick at 10 ms and may round apart."""
+    the kernel does not say, or over a window shorter than ``MIN_WINDOW_S``). Never negative: the two counters
+    tick at 10 ms and may round apart."""
 
     cores: float | None = None
 
@@ -51,7 +55,7 @@ class OtherLoad:
 
     def __exit__(self, *exc) -> bool:
         wall, busy = time.perf_counter() - self._t0, _busy_seconds()
-        if busy is not None and self._busy0 is not None and wall > 0:
+        if busy is not None and self._busy0 is not None and wall >= MIN_WINDOW_S:
             others = (busy - self._busy0) - (_own_seconds() - self._own0)
             self.cores = max(0.0, others / wall)
         return False

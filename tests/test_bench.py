@@ -444,3 +444,15 @@ def test_calibration_lines_say_when_other_work_ran():
     assert "Other work took cores of this machine while calibration timed the rounds of EAGLE-3 (1.8)" in lines
     quiet = report.calibration_lines({"EAGLE-3": {**cal, "others_cores": 0.0}})
     assert "describe a busy machine" not in "\n".join(quiet)
+
+
+def test_a_speedup_difference_without_a_tau_difference_is_called_so():
+    # b runs 10% slower than a on every prompt at the same tau (3 rounds of 10 tokens each)
+    results = _timed_runs({AR: {"x": [1.0, 1.1, 0.9, 1.0]}, "a": {"x": [0.8, 0.88, 0.72, 0.8]},
+                           "b": {"x": [0.88, 0.97, 0.79, 0.88]}})
+    for m in ("a", "b"):
+        for r in results["runs"][m]["x"]:
+            r.update(rounds=3, committed=9)
+    lines = report.speedup_lines(results, report.speedup_intervals(results, {"b": "a"}))
+    said = next(ln for ln in lines if ln.startswith("- Speedup (average over benchmarks): b - a"))
+    assert "the interval excludes 0" in said and "their τ did not move" in said

@@ -306,8 +306,13 @@ def speedup_lines(results: dict, intervals: dict) -> list[str]:
                   "intervals are narrower than the noise they stand for; more prompts per benchmark make them honest."]
     lines += ["", *("- " + speedup_words(DISPLAY.get(n, n), row["average"]) for n, row in intervals["speedup"].items()
                     if n != HF)]
-    lines += ["- " + _difference_words("Speedup (average over benchmarks)", d["method"], d["vs"], d["average"])
-              for d in diffs]
+    for d in diffs:
+        lines.append("- " + _difference_words("Speedup (average over benchmarks)", d["method"], d["vs"], d["average"]))
+        iv = d["average"]
+        if math.isfinite(iv.low) and not iv.contains_zero and d["vs"] not in (AR, HF) \
+                and paired_tau(results, d["method"], d["vs"]).contains_zero:
+            lines[-1] += (" But their τ did not move (its interval contains 0): a speedup difference without one in "
+                          "τ comes from the drafts' cost per round or from the machine, not from their acceptance.")
     return lines
 
 

@@ -70,24 +70,26 @@ def _cmd(default_target_path, data, out, url, model, *extra):
 def test_regenerate_through_transformers_serve(served, default_target_path, tmp_path):
     url, model = served
     data = tmp_path / "prompts.jsonl"
-    prompts = PROMPTS * 4  # enough that Ctrl-C lands before the last one is answered, on a fast machine too
-    data.write_text("".join(json.dumps({"id": f"p{k}", "prompt": p}) + "\n" for k, p in enumerate(prompts)))
+    data.write_text("".join(json.dumps({"id": f"p{k}", "prompt": p}) + "\n" for k, p in enumerate(PROMPTS)))
     out = tmp_path / "regen.jsonl"
     # 1. killed (Ctrl-C) once the first record is written, then resumed: every prompt once
+    # SIGINT at its default, so Ctrl-C interrupts: a test run launched in the background (`make test &`) would
+    # otherwise hand the child an ignored SIGINT, and it would answer every prompt
     proc = subprocess.Popen(_cmd(default_target_path, data, out, url, model), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not (out.exists() and out.read_text().count("\n") >= 1):
         time.sleep(0.2)
     proc.send_signal(signal.SIGINT)
     proc.wait(60)
     first = out.read_text().count("\n")
-    assert 1 <= first < len(prompts), proc.stdout.read()
+    assert 1 <= first < len(PROMPTS), proc.stdout.read()
     res = subprocess.run(_cmd(default_target_path, data, out, url, model, "--verify-sample", "4"),
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
     recs = [json.loads(line) for line in out.read_text().splitlines()]
-    assert sorted(r["id"] for r in recs) == sorted(f"p{k}" for k in range(len(prompts)))  # no duplicate, none lost
+    assert sorted(r["id"] for r in recs) == [f"p{k}" for k in range(len(PROMPTS))]  # no duplicate, none lost
     assert f"{first} already done" in res.stdout and "0 failed" in res.stdout
     for r in recs:
         assert r["meta"]["endpoint"] == url and r["meta"]["model"] == model

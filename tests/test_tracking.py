@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import COUNT_CONVS
+from tests.test_train import _cfg as train_cfg
 from vatspec import tracking
 from vatspec.cli import main
 from vatspec.config import ConfigError, load_config
@@ -57,12 +58,9 @@ def stores(tmp_path_factory):
 
 
 def _cfg(tiny_target_dir, data_file, out_dir, *extra):
-    return load_config(None, [
-        f"target.path={tiny_target_dir}", f"data.train={data_file}", f"train.out_dir={out_dir}",
-        "data.batch_size=2", "data.max_length=64", "data.heldout_max=4", "drafter.draft_vocab_size=256",
-        "drafter.ttt_steps=3", "train.steps=4", "optim.lr=1e-3", "loss.kind=vat",
-        f"train.report_to={','.join(TRACKERS)}", "train.save_every=2", "train.eval_every=2", *extra,
-    ])
+    """test_train's tiny run, VAT, every tracker, a checkpoint and a held-out evaluation every 2 of its 4 steps."""
+    return train_cfg(tiny_target_dir, data_file, out_dir, "loss.kind=vat", f"train.report_to={','.join(TRACKERS)}",
+                     "train.save_every=2", "train.eval_every=2", *extra)
 
 
 @pytest.fixture(scope="module")

@@ -350,29 +350,30 @@ def recheck_lines(results: dict, intervals: dict) -> list[str]:
 COST_DRIFT = 0.25
 
 
+def _pooled_rounds(summary: dict, benches: Sequence[str], name: str) -> tuple[float, float, int]:
+    """``name``'s (draft seconds, verify seconds, rounds), pooled over ``benches``."""
+    rows = [summary[name][b] for b in benches]
+    return sum(r["draft_s"] for r in rows), sum(r["verify_s"] for r in rows), sum(r["rounds"] for r in rows)
+
+
 def _round_cost(results: dict, name: str) -> float:
     """``name``'s decode time per round (draft + verify) in AR steps, pooled over benchmarks."""
-    def per_round(n: str) -> float:
-        rows = [results["summary"][n][b] for b in results["benchmarks"]]
-        return sum(r["draft_s"] + r["verify_s"] for r in rows) / sum(r["rounds"] for r in rows)
-    return per_round(name) / per_round(AR)
+    d, v, n = _pooled_rounds(results["summary"], results["benchmarks"], name)
+    d_ar, v_ar, n_ar = _pooled_rounds(results["summary"], results["benchmarks"], AR)
+    return ((d + v) / n) / ((d_ar + v_ar) / n_ar)
 
 
 def round_cost_table(summary: dict, benches: Sequence[str], methods: Sequence[str]) -> list[str]:
     """Where a round's time goes, pooled over benchmarks, in units of one AR step (a round that
     drafts nothing): ``speedup / tau ~= 1 / (draft + verify)``, so this shows what keeps a method
     from its tau."""
-    def pooled(name: str) -> tuple[float, float, int]:
-        rows = [summary[name][b] for b in benches]
-        return sum(r["draft_s"] for r in rows), sum(r["verify_s"] for r in rows), sum(r["rounds"] for r in rows)
-
-    d, v, n = pooled(AR)
+    d, v, n = _pooled_rounds(summary, benches, AR)
     ar_step = (d + v) / n
     lines = [f"Per round, in AR steps (one AR step = {ar_step * 1e3:.1f} ms):", "",
              "| Method | rounds | draft | verify | speedup / τ |", "|---|---:|---:|---:|---:|"]
     cheap = []
     for m in methods:
-        d, v, n = pooled(m)
+        d, v, n = _pooled_rounds(summary, benches, m)
         avg = summary[m]["average"]
         lines.append(f"| {m} | {n} | {d / n / ar_step:.2f} | {v / n / ar_step:.2f} | "
                      f"{avg['speedup'] / avg['tau']:.2f} |")

@@ -160,9 +160,7 @@ def paired_difference(
     rng = np.random.default_rng(seed)
     diffs = np.concatenate([stat(rng.integers(0, n, size=(min(1000, resamples - r), n)))
                             for r in range(0, resamples, 1000)])
-    tail = (1.0 - level) / 2
-    low, high = np.quantile(diffs, [tail, 1.0 - tail])
-    return Difference(estimate, float(low), float(high), level, n, base)
+    return Difference(estimate, *percentile_interval(diffs, level), level, n, base)
 
 
 # two-sided 95% quantiles of Student's t, by degrees of freedom (1..30); above 30 the normal's 1.96 is

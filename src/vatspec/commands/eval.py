@@ -16,7 +16,15 @@ from vatspec import benchmarks, data
 from vatspec.bench import AR, HF, evaluate, prompt_ids
 from vatspec.calibrate import calibrate
 from vatspec.checkpoint import CheckpointError
-from vatspec.commands import add_device_args, add_template_args, float_arg, int_arg, report, use_template
+from vatspec.commands import (
+    add_device_args,
+    add_report_to_arg,
+    add_template_args,
+    float_arg,
+    int_arg,
+    report,
+    use_template,
+)
 from vatspec.data import DataError
 from vatspec.data.chat import check_settings
 from vatspec.drafts import open_draft
@@ -59,9 +67,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-plots", action="store_true")
     parser.add_argument("--out", default="runs/eval", help="output folder (new, empty, or an earlier eval's)")
     add_device_args(parser)
-    from vatspec.commands import add_report_to_arg  # the experiment trackers (vatspec/tracking.py)
-
-    add_report_to_arg(parser)
+    add_report_to_arg(parser)  # the experiment trackers (vatspec/tracking.py)
 
 
 def run(args: argparse.Namespace) -> int:

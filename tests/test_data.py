@@ -115,8 +115,8 @@ BAD = [  # (file name, content, pattern the error must match: file and line, goo
     ("bad.jsonl", jsonl(SHAREGPT) + "{not json\n" + jsonl(OPENAI), r"bad\.jsonl:2: malformed JSON", 2),
     ("noasst.jsonl", jsonl(SHAREGPT, OPENAI) + jsonl({"messages": [{"role": "user", "content": "x"}]}),
      r"noasst\.jsonl:3: conversation 'noasst-3' has no assistant turn", 2),
-    ("role.jsonl", jsonl({"messages": [{"role": "tool", "content": "x"}]}, OPENAI),
-     r"role\.jsonl:1: turn 0: unknown role 'tool'", 1),
+    ("role.jsonl", jsonl({"messages": [{"role": "robot", "content": "x"}]}, OPENAI),
+     r"role\.jsonl:1: turn 0: unknown role 'robot'", 1),
     ("fmt.jsonl", jsonl(OPENAI, {"text": "x"}), r"fmt\.jsonl:2: unrecognised record", 1),
     ("arr.json", json.dumps([SHAREGPT, OPENAI], indent=1)[:-2] + ",\n  {oops}\n]", r"arr\.json:\d+: malformed JSON", 0),
 ]

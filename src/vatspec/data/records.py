@@ -3,10 +3,16 @@
 Formats read by ``load_conversations`` (JSONL, a JSON array or a single JSON object, parquet,
 a ``datasets.save_to_disk`` folder, or a Hugging Face hub name with ``vatspec[hub]``):
 
-    ShareGPT  {"id": .., "conversations": [{"from": "human"|"gpt"|"system", "value": ..}, ..]}
-    OpenAI    {"id": .., "messages": [{"role": "user"|"assistant"|"system", "content": ..}, ..]}
+    ShareGPT  {"id": .., "conversations": [{"from": "human"|"gpt"|"system"|.., "value": ..}, ..], "tools": ..}
+    OpenAI    {"id": .., "messages": [{"role": "user"|"assistant"|"system"|"tool", "content": ..}, ..], "tools": ..}
     Alpaca    {"instruction": .., "input": .., "output": ..}
     prompt    {"prompt": .., "response": ..}          (response optional)
+    xLAM      {"id": .., "query": .., "tools": "[..]", "answers": "[..]"}
+
+Messages carry what the OpenAI chat format carries: an assistant message its reasoning
+(``reasoning_content``) and ``tool_calls``, a ``tool`` message the result of a call; the conversation its
+``tools``. The tool-use shapes other than OpenAI's (LLaMA-Factory's ShareGPT ``function_call`` and
+``observation`` turns, Hermes ``<tool_call>`` blocks, xLAM) are read in ``tools.py``.
 
 A JSON array is streamed (``iter_json_array``), so a large file is never held whole, and a
 cut-off one can still be read up to its last complete item.
@@ -23,7 +29,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 # ShareGPT ``from`` values (and OpenAI roles) -> our roles. Anything else is an error.
 _ROLE_MAP = {
     "system": "system",
@@ -35,7 +41,14 @@ _ROLE_MAP = {
     "bing": "assistant",
     "bard": "assistant",
     "model": "assistant",
+    "function_call": "assistant",  # ShareGPT (LLaMA-Factory): the value is the call, as JSON
+    "tool": "tool",
+    "function": "tool",  # OpenAI's older name
+    "observation": "tool",  # ShareGPT (LLaMA-Factory)
+    "ipython": "tool",  # Llama 3's
 }
+# Where an assistant message's reasoning may come from; it is kept as ``reasoning_content``.
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # OpenAI-compatible servers; gpt-oss/HF; vLLM
 
 
 class DataError(ValueError):
@@ -46,13 +59,20 @@ class DataError(ValueError):
 class Conversation:
     """One conversation: ``messages`` is a list of ``{"role", "content"}`` with role in ROLES.
 
+    ``content`` is always a string (``""`` for an assistant message that only calls tools). An assistant
+    message may carry ``reasoning_content`` (str), ``tool_calls`` (``[{"id" (if given), "type": "function",
+    "function": {"name", "arguments": dict}}]``), and the ids regeneration writes: ``token_ids``,
+    ``prompt_token_ids`` (lists of ints), ``stop_token_id`` (int). A tool message carries ``name`` and,
+    if given, ``tool_call_id``. ``tools`` are the OpenAI tool schemas the conversation offers.
+
     A conversation read for training has at least one assistant turn; a prompt (benchmark,
     prompt file) may have none. ``meta`` holds extra fields (category, reference answer, ...).
     """
 
     id: str
-    messages: list[dict[str, str]]
+    messages: list[dict]
     meta: dict = field(default_factory=dict)
+    tools: list[dict] = field(default_factory=list)
 
     @property
     def has_assistant(self) -> bool:
@@ -64,6 +84,8 @@ class Conversation:
 
     def to_json(self) -> dict:
         rec = {"id": self.id, "messages": [dict(m) for m in self.messages]}
+        if self.tools:
+            rec["tools"] = self.tools
         if self.meta:
             rec["meta"] = self.meta
         return rec
@@ -133,17 +155,32 @@ def load_conversations(
 
 def parse_record(rec: object, where: str, default_id: str = "") -> Conversation:
     """One record in any supported format -> Conversation. ``where`` is ``file:line`` for errors."""
+    from vatspec.data import tools as tl  # here, not at the top: tools.py raises this module's DataError
+
     if not isinstance(rec, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(rec).__name__}")
     rid = next((rec[k] for k in ("id", "question_id", "task_id") if rec.get(k) is not None), default_id)
     meta = rec.get("meta") if isinstance(rec.get("meta"), dict) else {}
+    tools = tl.tool_schemas(rec.get("tools"), where)
     turns = rec.get("conversations", rec.get("conversation"))
     if turns is None and "messages" in rec:
         turns = rec["messages"]
+    at: list[int] = []  # the turn each message was read from (a Hermes tool turn may give several)
     if turns is not None:
         if not isinstance(turns, list):
             raise DataError(f"{where}: 'conversations'/'messages' must be a list, got {type(turns).__name__}")
-        msgs = [_parse_turn(t, f"{where}: turn {i}") for i, t in enumerate(turns)]
+        msgs = []
+        for i, t in enumerate(turns):
+            got = _parse_turn(t, f"{where}: turn {i}", hermes=bool(tools))
+            msgs += got
+            at += [i] * len(got)
+            if not tools and got[0]["role"] == "system" and "from" in t and "<tools>" in got[0]["content"]:
+                tools = tl.hermes_tools(got[0]["content"], f"{where}: turn {i}")  # the text is kept as it is
+    elif "query" in rec and "answers" in rec:  # xLAM
+        msgs = [{"role": "user", "content": _text(rec["query"], f"{where}: 'query'")}]
+        calls = tl.tool_calls(rec["answers"], where, "answers")
+        if calls:
+            msgs.append({"role": "assistant", "content": "", "tool_calls": calls})
     elif "instruction" in rec:
         user = _text(rec["instruction"], f"{where}: 'instruction'")
         extra = _text(rec.get("input") or "", f"{where}: 'input'")
@@ -158,17 +195,23 @@ def parse_record(rec: object, where: str, default_id: str = "") -> Conversation:
     else:
         raise DataError(
             f"{where}: unrecognised record with keys {sorted(rec)[:8]}: expected 'conversations' (ShareGPT), "
-            "'messages' (OpenAI), 'instruction' (Alpaca) or 'prompt'"
+            "'messages' (OpenAI), 'instruction' (Alpaca), 'prompt', or 'query' and 'answers' (xLAM)"
         )
+    tl.link_results(msgs, at or list(range(len(msgs))), where)
     first_user = next((k for k, m in enumerate(msgs) if m["role"] == "user"), None)
     if first_user is None:
         raise DataError(f"{where}: conversation {rid!r} has no user turn")
-    # Assistant turns before the first user turn answer nothing we have: dropped (as FastChat does).
-    msgs = [m for k, m in enumerate(msgs) if k > first_user or m["role"] != "assistant"]
-    return Conversation(str(rid), msgs, dict(meta))
+    # Assistant turns before the first user turn answer nothing we have: dropped (as FastChat does), with
+    # the results of their tool calls.
+    msgs = [m for k, m in enumerate(msgs) if k > first_user or m["role"] not in ("assistant", "tool")]
+    return Conversation(str(rid), msgs, dict(meta), tools)
 
 
-def _parse_turn(t: object, where: str) -> dict[str, str]:
+def _parse_turn(t: object, where: str, hermes: bool = False) -> list[dict]:
+    """One turn -> its message; a Hermes tool turn with several ``<tool_response>`` blocks gives one each.
+    ``hermes``: the conversation has tools, so a ShareGPT assistant turn's ``<tool_call>`` blocks are calls."""
+    from vatspec.data import tools as tl
+
     if not isinstance(t, dict):
         raise DataError(f"{where}: expected an object with from/value or role/content, got {type(t).__name__}")
     if "from" in t:
@@ -180,14 +223,68 @@ def _parse_turn(t: object, where: str) -> dict[str, str]:
     role = _ROLE_MAP.get(str(raw).lower()) if isinstance(raw, str) else None
     if role is None:
         raise DataError(f"{where}: unknown role {raw!r}; expected one of {sorted(_ROLE_MAP)}")
+    if raw.lower() == "function_call":  # the value is the call(s)
+        calls, content = tl.function_call_turn(content, where), ""
+    else:
+        given = t.get("tool_calls") or t.get("function_call")  # function_call: OpenAI's older single call
+        calls = tl.tool_calls([given] if isinstance(given, dict) else given, where) if given else []
+    if calls and role != "assistant":
+        raise DataError(f"{where}: tool_calls on a {role} message (only assistant messages carry tool calls)")
+    if content is None and calls:
+        content = ""  # OpenAI's null content beside tool calls
     msg = {"role": role, "content": _text(content, f"{where}: content")}
-    ids = t.get("token_ids")  # the ids the target generated (regenerate writes them): trained as they are
-    if ids is not None:
-        if role != "assistant" or not isinstance(ids, list) or not all(
-                isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
-            raise DataError(f"{where}: token_ids must be a list of token ids >= 0 on an assistant message")
-        msg["token_ids"] = ids
-    return msg
+    if hermes and "from" in t and role == "assistant" and not calls and "<tool_call>" in msg["content"]:
+        msg["content"], calls = tl.hermes_calls(msg["content"], where)
+    reasoning = _reasoning(t, role, where)
+    if reasoning is not None:
+        msg["reasoning_content"] = reasoning
+    if calls:
+        msg["tool_calls"] = calls
+    for key, what, ok in _ID_FIELDS:  # written by regenerate: trained as they are
+        if key == "stop_token_id" and key in t and t[key] is None and t.get("token_ids") is not None:
+            msg[key] = None  # the answer was cut at its length: no stop id is trained after its ids
+        elif t.get(key) is not None:
+            if role != "assistant" or not ok(t[key]):
+                raise DataError(f"{where}: {key} must be {what} on an assistant message")
+            msg[key] = t[key]
+    if role != "tool":
+        return [msg]
+    for key in ("name", "tool_call_id"):
+        if t.get(key) is not None:
+            if not isinstance(t[key], str):
+                raise DataError(f"{where}: {key} must be a string, got {t[key]!r:.40}")
+            msg[key] = t[key]
+    if "from" in t and "<tool_response>" in msg["content"]:  # Hermes
+        return [{**msg, "content": r} for r in tl.hermes_responses(msg["content"])]
+    return [msg]
+
+
+def _is_id(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+_ID_FIELDS = (  # (field, what it must be, check): the token ids an assistant message may carry
+    ("token_ids", "a list of token ids >= 0", lambda x: isinstance(x, list) and all(map(_is_id, x))),
+    ("prompt_token_ids", "a list of token ids >= 0", lambda x: isinstance(x, list) and all(map(_is_id, x))),
+    ("stop_token_id", "a token id >= 0", _is_id),
+)
+
+
+def _reasoning(t: dict, role: str, where: str) -> str | None:
+    """The turn's reasoning from any of REASONING_FIELDS (None if none); two that differ are an error, and so is
+    reasoning on a message other than the assistant's (an empty one there is taken as none)."""
+    given = {k: t[k] for k in REASONING_FIELDS if t.get(k) is not None}
+    if not given:
+        return None
+    if role != "assistant":
+        key = next((k for k, v in given.items() if v != ""), None)
+        if key is None:
+            return None
+        raise DataError(f"{where}: {key} on a {role} message (only assistant messages carry reasoning)")
+    texts = {k: _text(v, f"{where}: {k}") for k, v in given.items()}
+    if len(set(texts.values())) > 1:
+        raise DataError(f"{where}: {' and '.join(texts)} differ; give the reasoning once")
+    return next(iter(texts.values()))
 
 
 def _text(x: object, where: str) -> str:

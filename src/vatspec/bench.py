@@ -51,9 +51,9 @@ def prompt_ids(tokenizer, item, template=None) -> list[int]:
         return item.flatten().tolist()
     if isinstance(item, Sequence) and not isinstance(item, str) and all(isinstance(t, int) for t in item):
         return list(item)
-    messages = getattr(item, "messages", None)
+    messages, tools = getattr(item, "messages", None), getattr(item, "tools", None)
     if messages is None and isinstance(item, Mapping):
-        messages = item.get("messages")
+        messages, tools = item.get("messages"), item.get("tools")
     if messages is None and isinstance(item, Sequence):
         messages = list(item)
     if not messages:
@@ -63,7 +63,7 @@ def prompt_ids(tokenizer, item, template=None) -> list[int]:
         messages.pop()
     from vatspec.data.chat import ChatTemplate
 
-    text = (template or ChatTemplate()).render(tokenizer, messages, generation_prompt=True)
+    text = (template or ChatTemplate()).render(tokenizer, messages, generation_prompt=True, tools=tools)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 

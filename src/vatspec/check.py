@@ -133,6 +133,10 @@ def convention_findings(folder: Path, target) -> tuple[str | None, list[Finding]
             out.append(Finding(a == b, "template args", f"{b}, as trained" if a == b else
                                f"served with {b} but trained with {a} (vatspec.json): pass "
                                f"--chat-template-kwargs as the engine renders"))
+        if have.get("chat_template_date") or want.get("chat_template_date"):  # a template that stamps the day
+            a, b = have.get("chat_template_date"), want.get("chat_template_date")
+            out.append(Finding(a == b, "template date", f"{b}, as trained" if a == b else
+                               f"rendered on {b} but trained on {a} (vatspec.json): pass --chat-template-date {a}"))
     return fmt, out
 
 

@@ -74,6 +74,9 @@ class DataConfig:
     # Recorded in regenerated data, feature caches, checkpoints and exports; a mismatch is refused.
     chat_template: str = ""
     chat_template_kwargs: str = ""
+    # the day (YYYY-MM-DD) a template that stamps today's date renders (gpt-oss, Llama-3.2, Granite); "" = the
+    # one recorded with the data or the feature cache (regenerate pins it), else today's
+    chat_template_date: str = ""
 
 
 @dataclass(frozen=True)

@@ -81,6 +81,10 @@ def add_template_args(parser: argparse.ArgumentParser) -> None:
                         help="a Jinja chat template file (default: the target tokenizer's own)")
     parser.add_argument("--chat-template-kwargs", default="", metavar="KEY=VALUE,...",
                         help="template arguments, as the engine's chat_template_kwargs (e.g. enable_thinking=false)")
+    parser.add_argument("--chat-template-date", default=None, metavar="YYYY-MM-DD",
+                        help="the day a template that stamps today's date renders (gpt-oss, Llama-3.2, Granite, "
+                             "Mistral-Small); default: the one recorded with the data, cache or draft read, and "
+                             "for regenerate, today")
 
 
 def use_template(target, args: argparse.Namespace):
@@ -88,10 +92,12 @@ def use_template(target, args: argparse.Namespace):
     (every rendering of the command then uses them); a ``DataError`` names what is wrong."""
     from vatspec.data.chat import attach_template, format_kwargs
 
-    template = attach_template(target, args.chat_template, args.chat_template_kwargs)
+    template = attach_template(target, args.chat_template, args.chat_template_kwargs,
+                               getattr(args, "chat_template_date", None))
     dtype = str(getattr(target, "dtype", "")).removeprefix("torch.")
     print(f"target {getattr(target, 'path', None)} on {getattr(target, 'device', '?')}, {dtype}; chat template "
-          f"{args.chat_template or 'of the tokenizer'}, arguments {format_kwargs(template.kwargs)}", file=sys.stderr)
+          f"{args.chat_template or 'of the tokenizer'}, arguments {format_kwargs(template.kwargs)}"
+          + (f", date {template.date}" if template.date else ""), file=sys.stderr)
     return template
 
 

@@ -146,7 +146,7 @@ def _write(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    from vatspec.data import check_data_template, load_conversations, split_turns
+    from vatspec.data import adopt_date, check_data_template, load_conversations, recorded_settings, split_turns
     from vatspec.features import drafter_layer_ids, finalize_cache, write_cache
     from vatspec.features.format import manifest_precision
     from vatspec.outputs import write_lock
@@ -171,7 +171,8 @@ def _write(args: argparse.Namespace) -> int:
     convs = load_conversations(args.data, skip_bad=args.skip_bad)
     target = open_target(args.target, device=device or "auto", dtype=args.target_dtype,
                          device_map=args.device_map)
-    template = use_template(target, args)
+    use_template(target, args)
+    template = adopt_date(target, recorded_settings(convs))  # the day the data was rendered on, where it stamps one
     check_data_template(convs, template.settings(target.tokenizer), args.data)
     convs = split_turns(convs, target.tokenizer, template)  # as training splits them: the same rows
     if args.layers:

@@ -19,7 +19,8 @@ from vatspec.bench import prompt_ids
 from vatspec.check import check_draft
 from vatspec.commands import add_device_args, add_template_args, check_report_out, report, use_template
 from vatspec.data import DataError
-from vatspec.data.chat import format_kwargs
+from vatspec.data.chat import adopt_date, format_kwargs
+from vatspec.export.record import recorded_template
 from vatspec.outputs import OutputError
 from vatspec.target import TargetError, open_target
 
@@ -54,7 +55,8 @@ def run(args: argparse.Namespace) -> int:
         return report("check", e)
     try:
         target = open_target(args.target, device=args.device, dtype=args.dtype)
-        template = use_template(target, args)
+        use_template(target, args)
+        template = adopt_date(target, recorded_template(folder))  # the day it was trained with, for a dated template
         prompts = None if args.no_measure else _prompts(args, target)
     except (TargetError, DataError) as e:
         return report("check", e)

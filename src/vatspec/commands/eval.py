@@ -26,7 +26,7 @@ from vatspec.commands import (
     use_template,
 )
 from vatspec.data import DataError
-from vatspec.data.chat import check_settings
+from vatspec.data.chat import adopt_date, check_settings
 from vatspec.drafts import open_draft
 from vatspec.eval_report import write_report
 from vatspec.export.record import recorded_template
@@ -94,6 +94,7 @@ def _run(args: argparse.Namespace) -> int:
         if name in methods:
             raise ValueError(f"--draft: method name {name!r} given twice")
         drafter, head = open_draft(path, target)
+        adopt_date(target, recorded_template(path))  # a template that stamps a date: the day it was trained with
         check_settings(recorded_template(path), target.chat.settings(target.tokenizer), f"--draft {path}",
                        "this eval")
         methods[name] = (drafter, None if args.no_head else head)

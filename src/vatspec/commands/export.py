@@ -71,14 +71,15 @@ def run(args: argparse.Namespace) -> int:
 def _use_run_template(path: str, target) -> None:
     """A training run's template settings (``data.chat_template*`` of its config) on ``target``, so that
     ``vatspec.json`` records the template and arguments the draft was trained with."""
-    from vatspec.data.chat import attach_template, check_settings
+    from vatspec.data.chat import adopt_date, attach_template, check_settings
     from vatspec.export.record import recorded_template
 
     try:
         data = saved_config(path).data
     except CheckpointError:
         return  # a served draft: nothing recorded of its training
-    template = attach_template(target, data.chat_template, data.chat_template_kwargs)
+    attach_template(target, data.chat_template, data.chat_template_kwargs, data.chat_template_date or None)
+    template = adopt_date(target, recorded_template(path))  # the day the run rendered, for a template that stamps one
     # the template file read now must be the one trained with
     check_settings(recorded_template(path), template.settings(target.tokenizer), f"checkpoint {path}", "export")
 

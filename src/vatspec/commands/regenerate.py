@@ -24,9 +24,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", required=True, help="local HF model folder, or 'default' (SmolLM2-135M)")
     add_template_args(parser)
     parser.add_argument("--reasoning", choices=("keep", "drop"), default="keep",
-                        help="a reasoning target's thinking (<think>...</think>): keep it in the answers (trained "
-                             "as served in thinking mode), or drop it from them; with enable_thinking=false there "
-                             "is none")
+                        help="a reasoning target's thinking, stored apart from each answer (reasoning_content: "
+                             "the server's reasoning parser, or the family's own markers learned from its template): "
+                             "keep it (trained as generated in thinking mode) or drop it (the answer trains as the "
+                             "template renders it without reasoning)")
     parser.add_argument("--batch-size", type=int_arg(1), default=8, help="conversations a batch (at most)")
     parser.add_argument("--batch-tokens", type=int_arg(1), default=None,
                         help="also at most this many prompt tokens a batch (rows x its longest first prompt): "
@@ -156,7 +157,13 @@ def _through_endpoints(args, convs, target, template, read) -> int:
             + (f" (listed in {args.out}.failed.jsonl; a rerun retries them)" if stats.failed else "")
             + f", {stats.truncated_turns} turns cut at max tokens, {stats.too_long} too long; {read['bad']} bad "
             "input records skipped")
+    if stats.prompts_checked:
+        line += (f"; the engine's prompt ids equal this project's rendering in {stats.prompts_same} of "
+                 f"{stats.prompts_checked} answers" + (f" (first differences at tokens {stats.prompt_differs_at[:8]})"
+                                                       if stats.prompt_differs_at else ""))
     summary = {"format": "vatspec-regen-summary", "endpoints": args.endpoint, "model": args.model,
+               "prompts": {"checked": stats.prompts_checked, "same": stats.prompts_same,
+                           "first_difference": stats.prompt_differs_at},
                "read": len(convs), "done": stats.conversations, "skipped_done": stats.skipped_done,
                "retried": stats.retried, "failed": stats.failed, "cut": stats.truncated_turns,
                "tokens": stats.new_tokens, "seconds": stats.seconds}

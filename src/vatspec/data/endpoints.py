@@ -30,9 +30,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vatspec.data.chat import ChatTemplate
+from vatspec.data.chat import ChatTemplate, pin_date
+from vatspec.data.reasoning import reasoning_format
 from vatspec.data.records import Conversation, DataError
-from vatspec.data.regen import REASONING_END, RegenStats, _resume_ids, longest_first, source_sha256, turn_budget
+from vatspec.data.regen import (
+    RegenStats,
+    _resume_ids,
+    answer_message,
+    longest_first,
+    regen_plan,
+    source_sha256,
+    turn_budget,
+)
 from vatspec.outputs import own_jsonl
 
 log = logging.getLogger(__name__)
@@ -128,6 +137,10 @@ class _Job:
     error: str | None = None
     endpoint: str = ""
     retried: int = 0
+    prompts_checked: int = 0  # answers whose prompt ids the server returned
+    prompts_same: int = 0  # ... equal to this project's rendering of the prompt
+    prompt_differs_at: list = field(default_factory=list)  # the first differing position of each other one
+    dropped: int = 0  # reasoning dropped (reasoning="drop")
     tokens: int = 0
     turns: int = 0
     cut: int = 0
@@ -177,8 +190,9 @@ def regenerate_endpoints(
         return stats
     probe = _body(model, [{"role": "user", "content": "Hi"}], 1, temperature, top_p, seed, template)
     check_endpoints(endpoints, model, probe, retries)
+    template = pin_date(template, tokenizer, today=True)
     settings = template.settings(tokenizer)
-    gen = dict(model=model, tokenizer=tokenizer, eos=set(eos_ids), max_new_tokens=max_new_tokens,
+    gen = dict(format=reasoning_format(template, tokenizer), model=model, tokenizer=tokenizer, eos=set(eos_ids), max_new_tokens=max_new_tokens,
                temperature=temperature, top_p=top_p, seed=seed, max_prompt_tokens=max_prompt_tokens,
                max_length=max_length, template=template, reasoning=reasoning, last_turn_only=last_turn_only,
                retries=retries)
@@ -215,6 +229,10 @@ def regenerate_endpoints(
                     stats.turns += job.turns
                     stats.new_tokens += job.tokens
                     stats.truncated_turns += job.cut
+                    stats.reasoning_dropped += job.dropped
+                    stats.prompts_checked += job.prompts_checked
+                    stats.prompts_same += job.prompts_same
+                    stats.prompt_differs_at += job.prompt_differs_at
                 stats.seconds = time.perf_counter() - t0
                 reqs = sum(ep.requests for ep in endpoints)
                 bar.update(1)
@@ -246,29 +264,32 @@ def _worker(ep: Endpoint, jobs: queue.Queue, results: queue.Queue, stop: threadi
 
 
 def _run_conversation(ep: Endpoint, job: _Job, gen: dict, stop: threading.Event) -> None:
-    """Answer each user turn of ``job.conv`` (or only its last, ``last_turn_only``); sets ``job.record``."""
-    tok, template = gen["tokenizer"], gen["template"]
+    """Answer each user turn and tool result of ``job.conv`` that regeneration answers (``regen_plan``), or only its
+    last user turn (``last_turn_only``); sets ``job.record``."""
+    tok, template, tools = gen["tokenizer"], gen["template"], job.conv.tools
     msgs = job.conv.messages
     if gen["last_turn_only"]:
         last = max((i for i, m in enumerate(msgs) if m["role"] == "user"), default=None)
         if last is None:
             return
-        history, pending = [dict(m) for m in msgs[:last]], [msgs[last]]
+        history, pending = [dict(m) for m in msgs[:last]], [(msgs[last], True)]
     else:
-        history, pending = [], [m for m in msgs if m["role"] != "assistant"]
+        history, pending = [], regen_plan(msgs)
     context = len(history)  # original answers before this index are context, not supervised
     finishes = []
     while pending and not stop.is_set():
-        m = pending.pop(0)
-        history.append({"role": m["role"], "content": m["content"]})
-        if m["role"] != "user":
+        m, answers = pending.pop(0)
+        history.append(dict(m))
+        if not answers:
             continue
-        n = len(tok(template.render(tok, history, generation_prompt=True), add_special_tokens=False)["input_ids"])
-        budget = turn_budget(n, bool(finishes), gen["max_new_tokens"], gen["max_prompt_tokens"], gen["max_length"])
+        prompt = tok(template.render(tok, history, generation_prompt=True, tools=tools),
+                     add_special_tokens=False)["input_ids"]
+        budget = turn_budget(len(prompt), bool(finishes), gen["max_new_tokens"], gen["max_prompt_tokens"],
+                             gen["max_length"])
         if budget is None:
             history.pop()
             break
-        answer, finish = _answer(ep, job, history, budget, gen)
+        answer, finish = _answer(ep, job, history, tools, budget, gen, prompt)
         history.append(answer)
         finishes.append(finish)
     while history and history[-1]["role"] != "assistant":
@@ -278,31 +299,52 @@ def _run_conversation(ep: Endpoint, job: _Job, gen: dict, stop: threading.Event)
     meta = dict(job.conv.meta, finish=finishes)
     if context:
         meta["context_turns"] = context
-    job.record = Conversation(job.conv.id, history, meta).to_json()
+    job.record = Conversation(job.conv.id, history, meta, tools).to_json()
 
 
-def _answer(ep: Endpoint, job: _Job, history: list[dict], budget: int, gen: dict) -> tuple[dict, str]:
+def _answer(ep: Endpoint, job: _Job, history: list[dict], tools, budget: int, gen: dict,
+            prompt: list[int]) -> tuple[dict, str]:
+    """One answer from the server, stored as a record holds it (``answer_message``): its reasoning apart (the
+    server's reasoning parser, else the template's markers), its tool calls, the generated ids, the stop id
+    that ended them and the engine's own prompt ids, where the server returns them. ``prompt``: this project's
+    rendering of the prompt, counted against the engine's."""
     body = _body(gen["model"], history, budget, gen["temperature"], gen["top_p"], gen["seed"], gen["template"])
+    if tools:
+        body["tools"] = tools
     if ep.token_ids:
         body["return_token_ids"] = True
     resp = _retried(ep, "/chat/completions", body, gen["retries"], job)
     choice = resp["choices"][0]
     message = choice.get("message") or {}
-    content = message.get("content") or ""
     thought = message.get("reasoning_content") or message.get("reasoning")  # a server's reasoning parser
     ids = choice.get("token_ids")
-    if thought and gen["reasoning"] == "keep":
-        content = f"<think>\n{thought}\n</think>\n\n{content}"
-    elif gen["reasoning"] == "drop" and REASONING_END in content:
-        content, ids = content.split(REASONING_END, 1)[1].lstrip("\n"), None
-    elif thought:
-        ids = None  # the ids hold the reasoning that the text drops
     finish = "length" if choice.get("finish_reason") == "length" else "stop"
-    answer = {"role": "assistant", "content": content}
+    stop = None
     if isinstance(ids, list):
-        while ids and ids[-1] in gen["eos"]:  # the end token is not part of the answer (as in-process)
-            ids = ids[:-1]
-        answer["token_ids"] = ids
+        ids = list(ids)
+        if ids and ids[-1] in gen["eos"]:  # the end token is not part of the answer (as in-process): kept apart
+            stop = ids.pop()
+        elif finish == "stop" and isinstance(choice.get("stop_reason"), int):  # vLLM: the stop id it ended on
+            stop = choice["stop_reason"]
+    else:
+        ids = None
+    answer, dropped = answer_message(message.get("content") or "", ids, stop, gen["format"], gen["reasoning"],
+                                     thought or None)
+    if ids is not None and finish == "stop" and stop is None:
+        del answer["stop_token_id"]  # it stopped on a token the server did not return: the template's is learned
+    calls = message.get("tool_calls")
+    if calls:  # the server's tool parser: structured calls, arguments a JSON object as records hold them
+        answer["tool_calls"] = [_tool_call(c) for c in calls]
+    engine_prompt = resp.get("prompt_token_ids")
+    if isinstance(engine_prompt, list) and "token_ids" in answer:
+        answer["prompt_token_ids"] = engine_prompt
+        job.prompts_checked += 1
+        if engine_prompt == prompt:
+            job.prompts_same += 1
+        else:
+            job.prompt_differs_at.append(next((k for k, (a, b) in enumerate(zip(engine_prompt, prompt)) if a != b),
+                                              min(len(engine_prompt), len(prompt))))
+    job.dropped += dropped
     usage = resp.get("usage") or {}
     job.tokens += int(usage.get("completion_tokens") or len(ids or []))
     job.turns += 1
@@ -310,8 +352,34 @@ def _answer(ep: Endpoint, job: _Job, history: list[dict], budget: int, gen: dict
     return answer, finish
 
 
+def _tool_call(call: dict) -> dict:
+    fn = call.get("function") or {}
+    args = fn.get("arguments")
+    if isinstance(args, str):
+        args = json.loads(args or "{}")
+    out = {"type": "function", "function": {"name": fn.get("name"), "arguments": args}}
+    if call.get("id") is not None:
+        out["id"] = call["id"]
+    return out
+
+
+def _wire(m: dict) -> dict:
+    """A message as the chat-completions API takes it: tool call arguments as a JSON string, reasoning as
+    ``reasoning_content`` (what vLLM and SGLang read back into the template), no recorded ids."""
+    out = {"role": m["role"], "content": m["content"]}
+    if m.get("reasoning_content") is not None:
+        out["reasoning_content"] = m["reasoning_content"]
+    if m.get("tool_calls"):
+        out["tool_calls"] = [{**c, "function": {**c["function"], "arguments": json.dumps(c["function"]["arguments"])}}
+                             for c in m["tool_calls"]]
+    for key in ("name", "tool_call_id"):
+        if m.get(key) is not None:
+            out[key] = m[key]
+    return out
+
+
 def _body(model, messages, max_tokens, temperature, top_p, seed, template: ChatTemplate) -> dict:
-    body = {"model": model, "messages": [{"role": m["role"], "content": m["content"]} for m in messages],
+    body = {"model": model, "messages": [_wire(m) for m in messages],
             "max_tokens": max_tokens, "temperature": temperature}
     if temperature > 0:
         body.update(top_p=top_p, seed=seed)
@@ -343,7 +411,8 @@ def verify_sample(records: Sequence[dict], target, template: ChatTemplate, n: in
         if served is None:
             served = tok(msgs[i]["content"], add_special_tokens=False)["input_ids"]
         stopped = rec["meta"]["finish"][0] == "stop"
-        prompt = tok(template.render(tok, msgs[:i], generation_prompt=True), add_special_tokens=False)["input_ids"]
+        prompt = tok(template.render(tok, msgs[:i], generation_prompt=True, tools=rec.get("tools")),
+                     add_special_tokens=False)["input_ids"]
         mine = generate_rows(target, [prompt], [len(served) + stopped], eos=eos, pad_id=pad)[0]
         if mine and mine[-1] in eos:
             mine = mine[:-1]

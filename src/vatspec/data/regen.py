@@ -9,12 +9,13 @@ import os
 import time
 import zlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from vatspec.data.chat import ChatTemplate, require_template
+from vatspec.data.chat import ChatTemplate, pin_date, require_template
+from vatspec.data.reasoning import ReasoningFormat, reasoning_format
 from vatspec.data.records import Conversation, DataError
 from vatspec.outputs import OutputError, own_jsonl
 
@@ -33,6 +34,9 @@ class RegenStats:
     requests: int = 0  # through endpoints: requests sent (the probe and retries included)
     retried: int = 0  # through endpoints: requests retried after a 5xx, a timeout or a dropped connection
     failed: int = 0  # through endpoints: conversations that kept failing (OUT.failed.jsonl; the next run retries)
+    prompts_checked: int = 0  # through endpoints: answers whose prompt ids the server returned
+    prompts_same: int = 0  # ... equal to this project's rendering of the prompt
+    prompt_differs_at: list = field(default_factory=list)  # where each other one first differs (token position)
     seconds: float = 0.0
 
     @property
@@ -76,9 +80,16 @@ def regenerate(
     ``template``: the chat template and its arguments (``enable_thinking=False``) every prompt is
     rendered with, as the serving engine would; recorded in each record's ``meta["chat_template"]``,
     and each answer keeps the ids the target generated (``token_ids``: training uses them as they are).
-    ``reasoning``: ``keep`` stores an answer as generated, its reasoning block included (the target
-    served in thinking mode writes it, so the draft learns it); ``drop`` cuts the text up to the
-    end of the reasoning (``</think>``) from the stored answer, and the next turn's history.
+    Each answer is stored as the template reads it: its reasoning (``reasoning_content``, split from the
+    generated text by the family's own markers, learned from the template: ``vatspec.data.reasoning``) apart
+    from its ``content``, with the generated ids and the stop id that ended them (``stop_token_id``; None
+    when the row was cut). ``reasoning``: ``keep`` keeps the reasoning (the target served in thinking mode
+    writes it, so the draft learns it); ``drop`` stores the content alone, without ids, so the answer trains
+    as the template renders it without reasoning, and the next turn's history holds none.
+    A conversation with tool calls keeps the data's calls and their results (a result answers the call that
+    was made) and the target answers every user turn and every tool result that no call follows.
+    A template that stamps today's date renders the one pinned (``template.date``), else today's, recorded
+    with the settings.
 
     Resumable: each finished conversation is appended as one JSON line (flush + fsync); a
     restart skips ids already in the file, after cutting off a partial last line. An existing
@@ -96,6 +107,7 @@ def regenerate(
     require_template(tok, template)
     if reasoning not in ("keep", "drop"):
         raise DataError(f"reasoning must be keep or drop, got {reasoning!r}")
+    template = pin_date(template, tok, today=True)
     settings = template.settings(tok)
     ids = [c.id for c in convs]
     if len(set(ids)) != len(ids):
@@ -122,7 +134,7 @@ def regenerate(
                     stats.too_long += 1
                     continue
                 meta = dict(conv.meta, finish=finishes, chat_template=settings, source=source_sha256(src[conv.id]))
-                rec = Conversation(conv.id, conv.messages, meta).to_json()
+                rec = Conversation(conv.id, conv.messages, meta, conv.tools).to_json()
                 f.write(json.dumps(rec, ensure_ascii=False) + "\n")
                 f.flush()
                 os.fsync(f.fileno())
@@ -138,6 +150,37 @@ def regenerate(
 def longest_first(convs: Sequence[Conversation]) -> list[Conversation]:
     """The order ``regenerate`` batches conversations in: longest prompt text first (stable)."""
     return sorted(convs, key=lambda c: -sum(len(m["content"]) for m in c.messages if m["role"] != "assistant"))
+
+
+def regen_plan(messages: list[dict]) -> list[tuple[dict, bool]]:
+    """The messages regeneration keeps, in order, each with whether the target answers after it: the data's
+    answers are dropped, its tool calls kept (the tool results after them answer those calls); the target
+    answers after every user turn and every tool result that no call or further result follows."""
+    kept = [m for m in messages if m["role"] != "assistant" or m.get("tool_calls")]
+    plan = []
+    for k, m in enumerate(kept):
+        nxt = kept[k + 1] if k + 1 < len(kept) else None
+        follows = nxt is not None and (nxt["role"] == "tool" or nxt["role"] == "assistant")
+        plan.append((m, m["role"] in ("user", "tool") and not follows))
+    return plan
+
+
+def answer_message(text: str, ids: list[int] | None, stop: int | None, fmt: ReasoningFormat | None,
+                   reasoning: str, thought: str | None = None) -> tuple[dict, bool]:
+    """``(message, dropped)``: a generated answer as a record stores it. ``thought``: the reasoning a server's
+    parser returned apart; else it is split from ``text`` by ``fmt``. ``reasoning="drop"`` keeps the content
+    alone and no ids (they hold the reasoning); ``dropped`` says a reasoning was dropped."""
+    if thought is None and fmt is not None:
+        thought, text = fmt.split(text)
+    if reasoning == "drop" and thought is not None:
+        return {"role": "assistant", "content": text}, True
+    msg = {"role": "assistant", "content": text}
+    if thought is not None:
+        msg["reasoning_content"] = thought
+    if ids is not None:
+        msg["token_ids"] = ids
+        msg["stop_token_id"] = stop
+    return msg, False
 
 
 def _batches(convs: list[Conversation], tok, batch_size: int, batch_tokens: int | None,
@@ -163,15 +206,15 @@ def shortest_prompt(convs: Sequence[Conversation], tok, template: ChatTemplate |
 
 
 def _first_prompt_len(conv: Conversation, tok, template: ChatTemplate | None = None) -> int:
-    msgs = [m for m in conv.messages if m["role"] != "assistant"]
-    first = next((i for i, m in enumerate(msgs) if m["role"] == "user"), None)
+    plan = regen_plan(conv.messages)
+    first = next((k for k, (_, answer) in enumerate(plan) if answer), None)
     if first is None:  # nothing to answer: regenerate writes no record for it
         return 0
-    text = (template or ChatTemplate()).render(tok, msgs[: first + 1], generation_prompt=True)
+    text = (template or ChatTemplate()).render(tok, [m for m, _ in plan[: first + 1]], generation_prompt=True,
+                                               tools=conv.tools)
     return len(tok(text, add_special_tokens=False)["input_ids"])
 
 
-REASONING_END = "</think>"  # where a reasoning target's thinking ends (Qwen3, DeepSeek-R1)
 # tokens generated past the training length: a cut inside a word would re-tokenize the word's head
 CUT_MARGIN = 8
 
@@ -180,19 +223,20 @@ def _regenerate_batch(convs, target, eos, pad_id, max_new_tokens, temperature, t
                       stats, generator, template, reasoning):
     """Run the rounds of a batch together; yields ``(conversation, finish reasons)`` per input."""
     tok = target.tokenizer
-    pending = [[m for m in c.messages if m["role"] != "assistant"] for c in convs]
+    fmt = reasoning_format(template, tok)
+    pending = [regen_plan(c.messages) for c in convs]
     history: list[list[dict]] = [[] for _ in convs]
     finishes: list[list[str]] = [[] for _ in convs]
     stopped = [False] * len(convs)
     while True:
-        # 1. advance each conversation to its next user turn
+        # 1. advance each conversation to its next answer
         rows, prompts, budgets = [], [], []
-        for j, msgs in enumerate(pending):
-            while msgs and not stopped[j]:
-                m = msgs.pop(0)
+        for j, plan in enumerate(pending):
+            while plan and not stopped[j]:
+                m, answer = plan.pop(0)
                 history[j].append(m)
-                if m["role"] == "user":
-                    text = template.render(tok, history[j], generation_prompt=True)
+                if answer:
+                    text = template.render(tok, history[j], generation_prompt=True, tools=convs[j].tools)
                     p = tok(text, add_special_tokens=False)["input_ids"]
                     budget = turn_budget(len(p), bool(finishes[j]), max_new_tokens, max_prompt_tokens, max_length)
                     if budget is None:
@@ -208,7 +252,7 @@ def _regenerate_batch(convs, target, eos, pad_id, max_new_tokens, temperature, t
         # 2. generate: each row until an end token, max_new_tokens, or (max_length) the training length + margin
         news = generate_rows(target, prompts, budgets, eos=eos, pad_id=pad_id, temperature=temperature,
                              top_p=top_p, generator=generator)
-        # 3. cut each row at its first end token; the text excludes it
+        # 3. cut each row at its first end token; the text and the ids exclude it, the record keeps which it was
         for new, j in zip(news, rows):
             stop = next((k for k, t in enumerate(new) if t in eos), None)
             finishes[j].append("length" if stop is None else "stop")
@@ -216,16 +260,15 @@ def _regenerate_batch(convs, target, eos, pad_id, max_new_tokens, temperature, t
             kept = new if stop is None else new[:stop]
             stats.new_tokens += len(kept) + (stop is not None)
             stats.turns += 1
-            answer = {"role": "assistant", "content": tok.decode(kept, skip_special_tokens=False), "token_ids": kept}
-            if reasoning == "drop" and REASONING_END in answer["content"]:
-                answer = {"role": "assistant", "content": answer["content"].split(REASONING_END, 1)[1].lstrip("\n")}
-                stats.reasoning_dropped += 1
+            answer, dropped = answer_message(tok.decode(kept, skip_special_tokens=False), kept,
+                                             None if stop is None else new[stop], fmt, reasoning)
+            stats.reasoning_dropped += dropped
             history[j].append(answer)
     for j, conv in enumerate(convs):
-        # trailing system turns after the last user turn carry nothing to train on
+        # trailing turns after the last answer carry nothing to train on
         while history[j] and history[j][-1]["role"] != "assistant":
             history[j].pop()
-        yield Conversation(conv.id, history[j], conv.meta), finishes[j]
+        yield Conversation(conv.id, history[j], conv.meta, conv.tools), finishes[j]
 
 
 def turn_budget(n_prompt: int, answered: bool, max_new_tokens: int, max_prompt_tokens: int,
@@ -315,7 +358,7 @@ def _next_tokens(logits: torch.Tensor, temperature: float, top_p: float, generat
 def source_sha256(conv: Conversation) -> str:
     """The identity of the input conversation a record was regenerated from (its id aside): the sha256 of its
     messages' roles and texts, recorded as ``meta["source"]``."""
-    msgs = [[m["role"], m["content"]] for m in conv.messages]
+    msgs = [[m["role"], m["content"]] + ([m["tool_calls"]] if m.get("tool_calls") else []) for m in conv.messages]
     return hashlib.sha256(json.dumps(msgs, ensure_ascii=False).encode()).hexdigest()
 
 

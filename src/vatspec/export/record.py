@@ -38,6 +38,8 @@ def target_fingerprint(target) -> dict:
     from vatspec.data.chat import target_template
 
     out["chat_template_kwargs"] = dict(sorted(target_template(target).kwargs.items()))
+    if target_template(target).date:
+        out["chat_template_date"] = target_template(target).date
     return out
 
 
@@ -94,7 +96,8 @@ def recorded_template(path: str | Path) -> dict | None:
     rec = read_record(Path(path)) if Path(path).is_dir() else None
     if rec is not None:
         tgt = rec.get("target") or {}
-        return {k: tgt[k] for k in ("chat_template_sha256", "chat_template_kwargs") if k in tgt} or None
+        return {k: tgt[k] for k in ("chat_template_sha256", "chat_template_kwargs", "chat_template_date")
+                if k in tgt} or None
     from vatspec.checkpoint import CheckpointError, resolve_checkpoint, saved_config
     from vatspec.data.chat import parse_kwargs
 

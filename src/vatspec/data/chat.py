@@ -477,6 +477,26 @@ def _lead(template, tok, text: str) -> str:
     return text[: end + len(text[end:]) - len(text[end:].lstrip("\n"))]
 
 
+def prompt_agreement(convs: list[Conversation], tok, template: ChatTemplate) -> tuple[int, int, list[int]]:
+    """``(checked, same, first differences)``: of the answers whose records hold the engine's own prompt ids
+    (``prompt_token_ids``), how many equal this project's rendering of their prompt, and the token position
+    where each other one first differs."""
+    checked, same, parts = 0, 0, []
+    for conv in convs:
+        for i, m in enumerate(conv.messages):
+            if m["role"] != "assistant" or m.get("prompt_token_ids") is None:
+                continue
+            mine, theirs = _encode(tok, _render(template, tok, conv.messages[:i], conv, i, generation_prompt=True)), \
+                m["prompt_token_ids"]
+            checked += 1
+            if mine == theirs:
+                same += 1
+            else:
+                parts.append(next((k for k, (a, b) in enumerate(zip(mine, theirs)) if a != b),
+                                  min(len(mine), len(theirs))))
+    return checked, same, parts
+
+
 def _render(template, tok, messages, conv, i, *, generation_prompt):
     try:
         return template.render(tok, messages, generation_prompt=generation_prompt, tools=conv.tools)

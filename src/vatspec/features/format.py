@@ -151,10 +151,11 @@ def chat_template_sha256(tokenizer) -> str:
 
 
 def conversations_sha256(convs: Iterable) -> str:
-    """sha256 over the conversations (id and messages, canonical JSON): which data the cache holds."""
+    """sha256 over the conversations (id, messages and tools, canonical JSON): which data the cache holds."""
     h = hashlib.sha256()
     for c in convs:
-        h.update(json.dumps([c.id, c.messages], sort_keys=True, ensure_ascii=False).encode("utf-8"))
+        tools = [c.tools] if getattr(c, "tools", None) else []  # none: the hash of a cache made before tools
+        h.update(json.dumps([c.id, c.messages, *tools], sort_keys=True, ensure_ascii=False).encode("utf-8"))
         h.update(b"\n")
     return h.hexdigest()
 

@@ -94,8 +94,11 @@ class Handler(BaseHTTPRequestHandler):
 
 def _as_vllm(tok, body: dict, last: str) -> dict:
     """A vLLM-shaped answer (reasoning parser, tool parser, ``return_token_ids``: the prompt's ids too)."""
-    msgs = [{**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])}}
-                                 for c in m["tool_calls"]]} if m.get("tool_calls") else m for m in body["messages"]]
+    def parsed(c):
+        return {**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])}}
+
+    msgs = [{**m, "tool_calls": [parsed(c) for c in m["tool_calls"]]} if m.get("tool_calls") else m
+            for m in body["messages"]]
     prompt = tok.apply_chat_template(msgs, tools=body.get("tools"), add_generation_prompt=True, tokenize=False,
                                      chat_template=body.get("chat_template"), **body.get("chat_template_kwargs", {}))
     prompt_ids = tok(prompt, add_special_tokens=False)["input_ids"] + ([7] if "skew" in last else [])
@@ -104,8 +107,9 @@ def _as_vllm(tok, body: dict, last: str) -> dict:
         message["reasoning_content"] = f"thinking about {last}"
         text = f"<think>\nthinking about {last}\n</think>\n\necho: {last}"
     if "weather" in last:
-        message = {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_9", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}
+        fn = {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+        call = {"id": "call_9", "type": "function", "function": fn}
+        message = {"role": "assistant", "content": None, "tool_calls": [call]}
         text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
     ids = tok(text, add_special_tokens=False)["input_ids"] + [IM_END]
     return {"prompt_token_ids": prompt_ids, "usage": {"completion_tokens": len(ids)},

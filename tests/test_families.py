@@ -133,10 +133,7 @@ def test_single_and_multi_turn_text_answers(base_tok, name):
             sequences(conv, tok, template)
         return
     got = sequences(conv, tok, template)
-    if not think:
-        want = [spec["generated"].format(R="", C=c) for c in C]
-    else:
-        want = [expected(spec, i=k) for k in range(2)]
+    want = [expected(spec, i=k) if think else spec["generated"].format(R="", C=C[k]) for k in range(2)]
     assert [tok.decode(s) for _, s in got] == want
 
 

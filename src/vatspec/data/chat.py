@@ -393,9 +393,10 @@ def _as_generated(template, tok, conv, i, prompt: str, whole: str) -> str:
         if fmt is not None and not fmt.opened:  # a template that ignores the field (SmolLM3): the model's block first
             text = fmt.join(reasoning, text)
         elif reasoning and reasoning not in text:
-            raise DataError(f"conversation {conv.id!r}: message {i}: it has reasoning_content, but the chat template renders none and shows no "
-                            "reasoning markers to write it with: keep the answer as generated (its token_ids, or "
-                            "the reasoning inline in its content), or drop the reasoning (regenerate --reasoning drop)")
+            raise DataError(f"conversation {conv.id!r}: message {i}: it has reasoning_content, but the chat template "
+                            "renders none and shows no reasoning markers to write it with: keep the answer as "
+                            "generated (its token_ids, or the reasoning inline in its content), or drop the "
+                            "reasoning (regenerate --reasoning drop)")
         return text
     if last and last in prompt and last in whole:
         header = prompt[prompt.rfind(last) + len(last):]

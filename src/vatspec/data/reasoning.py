@@ -129,7 +129,6 @@ def _empty_block(template, tok, user, answer) -> ReasoningFormat | None:
         tries.append(replace(template, kwargs={**template.kwargs, "enable_thinking": False}))
     for t in tries:
         try:
-            prompt = t.render(tok, user, generation_prompt=True)
             whole = t.render(tok, user + [answer], generation_prompt=False)
         except Exception:  # noqa: BLE001
             continue

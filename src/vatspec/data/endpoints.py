@@ -194,8 +194,8 @@ def regenerate_endpoints(
     settings = template.settings(tokenizer)
     gen = dict(format=reasoning_format(template, tokenizer), model=model, tokenizer=tokenizer, eos=set(eos_ids),
                max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
-               max_prompt_tokens=max_prompt_tokens, max_length=max_length, template=template, reasoning=reasoning, last_turn_only=last_turn_only,
-               retries=retries)
+               max_prompt_tokens=max_prompt_tokens, max_length=max_length, template=template, reasoning=reasoning,
+               last_turn_only=last_turn_only, retries=retries)
     jobs: queue.Queue = queue.Queue()
     for c in todo:
         jobs.put(c)

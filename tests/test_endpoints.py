@@ -275,7 +275,8 @@ def test_a_vllm_server_s_reasoning_tool_calls_and_prompt_ids(tok, tmp_path, defa
         assert stats.prompt_differs_at == [len(skew["prompt_token_ids"]) - 1]
         second = next(b for b in srv.seen if b["messages"][-1]["content"] == "skew")["messages"][1]
         assert second == {"role": "assistant", "content": "echo: think first",
-                          "reasoning_content": "thinking about think first"}
+                          "reasoning_content": "thinking about think first",
+                          "reasoning": "thinking about think first"}
         # training: the engine's own prompt ids, then the generated ids and the stop
         from vatspec.data import load_conversations, split_turns, tokenize_conversation
 

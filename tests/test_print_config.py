@@ -11,7 +11,8 @@ import pytest
 from vatspec.cli import main
 from vatspec.config import Config, config_sources
 
-RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml"))
+RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
+RECIPES = sorted(RECIPES_DIR.glob("*.yaml"))
 FIELDS = [f"{s.name}.{f.name}" for s in dataclasses.fields(Config)
           for f in dataclasses.fields(getattr(Config(), s.name))]
 
@@ -73,23 +74,70 @@ def test_config_sources_is_the_library_call():
     assert rows["optim.betas"] == ((0.9, 0.95), "default")
 
 
+# What each recipe sets of the chat template and the length: (chat_template_kwargs, chat_template_date, max_length);
+# None = left to config.py's default ('' : the tokenizer's template with no arguments, the date the data records).
+TEMPLATE_SETTINGS = {
+    "gpt-oss-20b-eagle3-vat.yaml": ("reasoning_effort=medium", "2026-12-07", 4096),
+    "llama3.1-8b-eagle3-vat.yaml": (None, None, 4096),
+    "qwen3-8b-dflash-vat.yaml": ("enable_thinking=false", None, 3072),
+    "qwen3-8b-eagle3-vat-thinking.yaml": ("enable_thinking=true", None, 8192),
+    "qwen3-8b-eagle3-vat.yaml": ("enable_thinking=false", None, 4096),
+}
+# the published chat template each recipe's target renders with (tests/fixtures/chat_templates, byte for byte)
+TEMPLATES = Path(__file__).resolve().parent / "fixtures" / "chat_templates"
+PUBLISHED = {"gpt-oss": "openai-gpt-oss-20b.jinja", "llama3.1": "meta-llama-Llama-3.1-8B-Instruct.jinja",
+             "qwen3": "Qwen-Qwen3-8B.jinja"}
+
+
 @pytest.mark.parametrize("recipe", RECIPES, ids=[p.name for p in RECIPES])
 def test_every_recipe_loads(recipe, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)  # the recipes' relative out_dir and features resolve here
     rows = print_config(["--config", str(recipe)], capsys)
     source = str(recipe)
     for key in ("target.path", "target.dtype", "data.features", "drafter.kind", "loss.kind", "train.precision",
-                "optim.lr"):
+                "optim.lr", "data.max_length"):
         assert rows[key][1] == source, key
     assert rows["target.path"][0].startswith("/models/")
     assert rows["target.dtype"][0] == "bfloat16" and rows["train.precision"][0] == "bf16"
     assert rows["loss.kind"][0] == "vat"
     assert rows["drafter.target_layer_ids"] == ("null", "default")  # the drafter's reference default
-    qwen3 = recipe.name.startswith("qwen3")
-    assert rows["data.chat_template_kwargs"] == (("enable_thinking=false", source) if qwen3 else ("''", "default"))
+    kwargs, date, max_length = TEMPLATE_SETTINGS[recipe.name]
+    assert rows["data.chat_template_kwargs"] == ((kwargs, source) if kwargs else ("''", "default"))
+    assert rows["data.chat_template_date"] == ((date, source) if date else ("''", "default"))
+    assert rows["data.chat_template"] == ("''", "default")  # the tokenizer's own template
+    assert rows["data.max_length"][0] == str(max_length)
     assert list(tmp_path.iterdir()) == []  # nothing written
 
 
-def test_there_are_the_three_recipes():
-    assert [p.name for p in RECIPES] == ["llama3.1-8b-eagle3-vat.yaml", "qwen3-8b-dflash-vat.yaml",
+@pytest.mark.parametrize("recipe", RECIPES, ids=[p.name for p in RECIPES])
+def test_every_recipe_s_template_settings_fit_the_published_template(recipe):
+    """The arguments a recipe passes are variables its target's published template reads (a misspelt one, or
+    enable_thinking given to gpt-oss, is refused by every command), and its date is a day."""
+    from vatspec.data.chat import format_kwargs, load_template
+
+    rows = {k: v for k, v, _ in config_sources(str(recipe), [])}
+    family = next(f for f in PUBLISHED if recipe.name.startswith(f))
+    template = load_template(None, str(TEMPLATES / PUBLISHED[family]), rows["data.chat_template_kwargs"],
+                             rows["data.chat_template_date"] or None)
+    kwargs, date, _ = TEMPLATE_SETTINGS[recipe.name]
+    assert format_kwargs(template.kwargs) == (kwargs or "(none)")
+    assert template.date == date
+
+
+def test_the_thinking_recipe_changes_only_the_template_the_length_and_the_paths():
+    """qwen3-8b-eagle3-vat-thinking.yaml is qwen3-8b-eagle3-vat.yaml served with thinking: every other field
+    (optimizer, drafter, loss, schedule) is the non-thinking recipe's."""
+    base, thinking = ({k: v for k, v, _ in config_sources(str(p), [])} for p in
+                      (RECIPES_DIR / "qwen3-8b-eagle3-vat.yaml", RECIPES_DIR / "qwen3-8b-eagle3-vat-thinking.yaml"))
+    changed = {k for k in base if base[k] != thinking[k]}
+    assert changed == {"data.features", "data.max_length", "data.chat_template_kwargs", "train.out_dir"}
+    assert (base["data.chat_template_kwargs"], thinking["data.chat_template_kwargs"]) == (
+        "enable_thinking=false", "enable_thinking=true")
+    assert thinking["data.max_length"] == 2 * base["data.max_length"] == 8192
+
+
+def test_there_are_the_five_recipes():
+    assert [p.name for p in RECIPES] == ["gpt-oss-20b-eagle3-vat.yaml", "llama3.1-8b-eagle3-vat.yaml",
+                                         "qwen3-8b-dflash-vat.yaml", "qwen3-8b-eagle3-vat-thinking.yaml",
                                          "qwen3-8b-eagle3-vat.yaml"]
+    assert set(TEMPLATE_SETTINGS) == {p.name for p in RECIPES}

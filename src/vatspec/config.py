@@ -241,12 +241,22 @@ def _within(lo: float, hi: float, closed: str, optional: bool = False):
     return ok, f"in {closed[0]}{lo:g}, {hi:g}{closed[1]}" + (" (or null)" * optional)
 
 
+def _is_day(v: str) -> bool:
+    import datetime
+
+    try:
+        return datetime.date.fromisoformat(v).isoformat() == v
+    except (TypeError, ValueError):
+        return False
+
+
 # field -> (test, what it must be): every numeric range, checked once all overrides are in
 RANGES: dict[str, tuple] = {
     "data.heldout_fraction": _within(0, 1, "[)"),
     "data.heldout_max": _at_least(0),
     "data.heldout_pool": _at_least(0),
     "data.max_length": _at_least(2),
+    "data.chat_template_date": (lambda v: v == "" or _is_day(v), "a day as YYYY-MM-DD (or empty)"),
     "data.batch_size": _at_least(1),
     "drafter.draft_vocab_size": _at_least(1),
     "drafter.ttt_steps": _at_least(1),

@@ -365,10 +365,11 @@ def _tool_call(call: dict) -> dict:
 
 def _wire(m: dict) -> dict:
     """A message as the chat-completions API takes it: tool call arguments as a JSON string, reasoning as
-    ``reasoning_content`` (what vLLM and SGLang read back into the template), no recorded ids."""
+    ``reasoning_content`` (what vLLM and SGLang pass to a template) and ``reasoning`` (what vLLM's harmony
+    rendering of gpt-oss reads), no recorded ids."""
     out = {"role": m["role"], "content": m["content"]}
     if m.get("reasoning_content") is not None:
-        out["reasoning_content"] = m["reasoning_content"]
+        out["reasoning_content"] = out["reasoning"] = m["reasoning_content"]
     if m.get("tool_calls"):
         out["tool_calls"] = [{**c, "function": {**c["function"], "arguments": json.dumps(c["function"]["arguments"])}}
                              for c in m["tool_calls"]]
@@ -385,6 +386,8 @@ def _body(model, messages, max_tokens, temperature, top_p, seed, template: ChatT
         body.update(top_p=top_p, seed=seed)
     if template.kwargs:
         body["chat_template_kwargs"] = template.kwargs
+        if "reasoning_effort" in template.kwargs:  # vLLM renders gpt-oss with harmony: it reads the request's own
+            body["reasoning_effort"] = template.kwargs["reasoning_effort"]
     if template.text is not None:
         body["chat_template"] = template.text
     return body

@@ -49,7 +49,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from vatspec.decode import Round, generate
+from vatspec.decode import Round, generate, keep_rollback
 from vatspec.machine import OtherLoad
 
 
@@ -215,7 +215,7 @@ def measure_round_timings(target, drafter, prompt_ids: Sequence[int], k_max: int
     ids = torch.as_tensor(list(prompt_ids), dtype=torch.long, device=device)[None]
     layer_ids = list(drafter.target_layer_ids)
     tout = target(ids, layer_ids=layer_ids, logits=False, use_cache=True)
-    cache = tout.past_key_values
+    cache = keep_rollback(tout.past_key_values)
     session = drafter.new_session()
     session.extend(tout.features[0], torch.cat([ids[0, 1:], ids[0, -1:]]))
     feat1, tok1 = tout.features[0, -1:], ids[0, -1:]

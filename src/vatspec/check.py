@@ -103,9 +103,17 @@ def convention_findings(folder: Path, target) -> tuple[str | None, list[Finding]
     bad = [f"{n}={have} (target {want})" for n, (have, want) in sizes.items() if have != want]
     out.append(Finding(not bad, "sizes", "; ".join(bad) if bad else "vocab, hidden and layer counts match the target"))
 
-    # 3. RoPE: the draft layer must rotate like the target's
+    # 3. RoPE: the draft layer must rotate as it trained: DFlash like the target; EAGLE-3 (its own model) like the
+    # target where its scaling is implemented, else plain at the target's theta (YaRN: gpt-oss), as it trains
     theta, scaling = rope_parameters(lc)
-    t_theta, t_scaling = rope_parameters(target.config)
+    if fmt == "dflash":
+        t_theta, t_scaling = rope_parameters(target.config)
+    else:
+        from vatspec.drafters.eagle3 import rope_from_config
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # training said it once already
+            t_theta, t_scaling = rope_from_config(target.config)
     same = math.isclose(theta, t_theta, rel_tol=1e-6) and (scaling or None) == (t_scaling or None)
     out.append(Finding(same, "rope", f"rope_theta {theta:g}, scaling {scaling}" + (" = the target's" if same else
                        f"; the target's: rope_theta {t_theta:g}, scaling {t_scaling}")))

@@ -161,6 +161,15 @@ def speculative_verify(
 
 
 # --------------------------------------------------------------------------- the loop
+def keep_rollback(cache):
+    """``cache`` able to ``crop`` the rejected drafts away: a sliding-window layer (gpt-oss, Gemma-3) keeps only
+    its window, and once it has slid a crop cannot roll it back unless it records the states it dropped
+    (transformers' ``activate_past_recording``; a crop then trims it to the window again)."""
+    if hasattr(cache, "activate_past_recording"):
+        cache.activate_past_recording()
+    return cache
+
+
 @torch.inference_mode()
 def generate(
     target,
@@ -221,7 +230,7 @@ def generate(
     t_start = time.perf_counter()
     # 1. prefill: the prompt's KV cache and layer features; the first new token from the last position
     tout = target(ids[None], layer_ids=layer_ids, logits=False, use_cache=True)
-    cache = tout.past_key_values
+    cache = keep_rollback(tout.past_key_values)
     out[:1] = next_token(target.logits(tout.hidden[0, -1:]))
     n = 1  # new tokens so far; out[n-1] is the pending token (committed, not yet run by the target)
     session = None

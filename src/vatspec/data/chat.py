@@ -398,11 +398,12 @@ def _as_generated(template, tok, conv, i, prompt: str, whole: str) -> str:
                             "generated (its token_ids, or the reasoning inline in its content), or drop the "
                             "reasoning (regenerate --reasoning drop)")
         return text
-    if last and last in prompt and last in whole:
-        header = prompt[prompt.rfind(last) + len(last):]
-        after = whole[whole.rfind(last) + len(last):]
-        if header.strip() and after.startswith(header):
-            return after[len(header):]
+    for shown in (last, json.dumps(last, ensure_ascii=False)) if last else ():  # gpt-oss shows a tool result |tojson
+        if shown in prompt and shown in whole:
+            header = prompt[prompt.rfind(shown) + len(shown):]
+            after = whole[whole.rfind(shown) + len(shown):]
+            if header.strip() and after.startswith(header):
+                return after[len(header):]
     fmt = reasoning_format(template, tok)
     if fmt is not None and fmt.opened:
         base = prompt.rstrip().removesuffix(fmt.opened)

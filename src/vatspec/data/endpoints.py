@@ -192,7 +192,14 @@ def regenerate_endpoints(
     check_endpoints(endpoints, model, probe, retries)
     template = pin_date(template, tokenizer, today=True)
     settings = template.settings(tokenizer)
-    gen = dict(format=reasoning_format(template, tokenizer), model=model, tokenizer=tokenizer, eos=set(eos_ids),
+    fmt = reasoning_format(template, tokenizer)
+    special = [t for t in getattr(tokenizer, "all_special_tokens", []) if fmt and t in fmt.opener + fmt.separator]
+    if special and not any(ep.token_ids for ep in endpoints):
+        log.warning("the servers return no token ids, and the reasoning markers are special tokens (%s) that a server "
+                    "drops from its text (transformers serve does): without its reasoning parser the reasoning cannot "
+                    "be told apart from the answer; prefer a server that returns token ids (vLLM) or parses "
+                    "reasoning (--reasoning-parser)", ", ".join(special))
+    gen = dict(format=fmt, model=model, tokenizer=tokenizer, eos=set(eos_ids),
                max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
                max_prompt_tokens=max_prompt_tokens, max_length=max_length, template=template, reasoning=reasoning,
                last_turn_only=last_turn_only, retries=retries)

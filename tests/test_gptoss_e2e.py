@@ -19,12 +19,8 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
-import signal
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -172,45 +168,15 @@ def test_regenerate_stores_harmony_answers_as_reasoning_and_content(regen, targe
 
 
 # ----------------------------------------------------------------------------- regenerate through transformers serve
-START_S = 180  # loading on a busy 2-core machine
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def served(gptoss_dir, tmp_path_factory):
     """``(url, model name)`` of a ``transformers serve`` of the tiny gpt-oss on the loopback address."""
     pytest.importorskip("fastapi")  # transformers serve's own dependencies (`make setup` installs them)
     pytest.importorskip("uvicorn")
-    port = _free_port()
-    log = tmp_path_factory.mktemp("serve") / "serve.log"
-    exe = Path(sys.executable).with_name("transformers")
-    cmd = [str(exe), "serve", str(gptoss_dir), "--host", "127.0.0.1", "--port", str(port), "--device", "cpu",
-           "--dtype", "float32", "--log-level", "warning"]
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
-    url, model = f"http://127.0.0.1:{port}", None
-    deadline = time.monotonic() + START_S
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            with urllib.request.urlopen(url + "/v1/models", timeout=5) as r:
-                model = json.loads(r.read())["data"][0]["id"]
-            break
-        except OSError:
-            time.sleep(1)
-    if model is None:
-        proc.kill()
-        pytest.fail(f"transformers serve did not start: {log.read_text()[-2000:]}")
-    yield url, model
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    from tests.test_serve import transformers_serve
+
+    with transformers_serve(gptoss_dir, tmp_path_factory.mktemp("serve")) as served:
+        yield served
 
 
 def test_regenerate_through_transformers_serve(served, gptoss_dir, regen, tmp_path):
@@ -359,7 +325,7 @@ def test_check_decodes_past_the_sliding_window(exports, gptoss_dir, regen, capsy
     # the prompts trained on (single-turn); the long one's prompt and answer run past the 128-token window,
     # so decoding crops sliding-window cache layers that have already slid (decode.keep_rollback)
     prompts = write_jsonl(regen.parent / "check_prompts.jsonl", [p for p in PROMPTS if p["id"] in ("l0", "s0")])
-    for fmt, folder in exports.items():
+    for folder in exports.values():
         code = main(["check", str(folder), "--target", str(gptoss_dir), "--prompts", str(prompts),
                      "--num-prompts", "2", "--max-new-tokens", str(NEW_TOKENS), "--device", "cpu"])
         out = capsys.readouterr().out

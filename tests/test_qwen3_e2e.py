@@ -187,8 +187,12 @@ def test_regenerate_records_the_template_and_trains_on_the_generated_ids(regen, 
     assert prompt.endswith("<|im_start|>assistant\n" + THINK_OFF)
     p = tok(prompt, add_special_tokens=False)["input_ids"]
     answer = conv.messages[1]["token_ids"]
-    assert ex.input_ids == p + answer + [im_end]
-    assert ex.loss_mask == [False] * len(p) + [True] * (len(answer) + 1)
+    # the stop id that ended the answer; an answer cut at --max-new-tokens has none, and none is trained after it
+    stop = [] if conv.messages[1]["stop_token_id"] is None else [conv.messages[1]["stop_token_id"]]
+    assert stop in ([], [im_end]) and (stop == []) == (json.loads(regen.read_text().splitlines()[
+        [r["id"] for r in records].index("s0")])["meta"]["finish"] == ["length"])
+    assert ex.input_ids == p + answer + stop
+    assert ex.loss_mask == [False] * len(p) + [True] * (len(answer) + len(stop))
 
     # Qwen3 renders an earlier answer without the think block its prompt held: a two-turn
     # conversation is split, each turn trained in the context the target answered in
@@ -196,8 +200,9 @@ def test_regenerate_records_the_template_and_trains_on_the_generated_ids(regen, 
     assert sorted(c.id for c in parts) == sorted([*convs, "m0@1", "m1@1"])
     for part in parts:
         ex = tokenize_conversation(part, tok, template=template)
-        answer = [m for m in part.messages if m["role"] == "assistant"][-1]["token_ids"]
-        assert ex.input_ids[-len(answer) - 1:] == answer + [im_end] and sum(ex.loss_mask) == len(answer) + 1
+        last = [m for m in part.messages if m["role"] == "assistant"][-1]
+        answer = last["token_ids"] + ([] if last["stop_token_id"] is None else [last["stop_token_id"]])
+        assert ex.input_ids[-len(answer):] == answer and sum(ex.loss_mask) == len(answer)
 
 
 # ----------------------------------------------------------------------------- cache + train

@@ -4,6 +4,7 @@ Ctrl-C, and the agreement with in-process generation (``--verify-sample``)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import socket
@@ -33,10 +34,18 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def served(default_target_path, tmp_path_factory):
     """``(url, model name)`` of a ``transformers serve`` process serving the embedded target in float32."""
+    with transformers_serve(default_target_path, tmp_path_factory.mktemp("serve")) as served:
+        yield served
+
+
+@contextlib.contextmanager
+def transformers_serve(model_dir, log_dir: Path):
+    """``(url, model name)`` of ``transformers serve MODEL_DIR`` on a free loopback port (float32, CPU), started
+    here and stopped (SIGINT, then kill) on leaving; its log in ``LOG_DIR/serve.log``."""
     port = _free_port()
-    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    log = log_dir / "serve.log"
     exe = Path(sys.executable).with_name("transformers")
-    cmd = [str(exe), "serve", str(default_target_path), "--host", "127.0.0.1", "--port", str(port),
+    cmd = [str(exe), "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
            "--device", "cpu", "--dtype", "float32", "--log-level", "warning"]
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
@@ -53,12 +62,14 @@ def served(default_target_path, tmp_path_factory):
     if model is None:
         proc.kill()
         pytest.fail(f"transformers serve did not start: {log.read_text()[-2000:]}")
-    yield url, model
-    proc.send_signal(signal.SIGINT)
     try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+        yield url, model
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 def _cmd(default_target_path, data, out, url, model, *extra):

@@ -295,3 +295,18 @@ def test_a_vllm_server_s_reasoning_tool_calls_and_prompt_ids(tok, tmp_path, defa
     finally:
         srv.shutdown()
         srv.server_close()
+
+
+def test_a_resumed_regeneration_keeps_its_day_and_settings(server, tok, tmp_path):
+    """A template that stamps today's date: a file begun on one day resumes on that day, whatever today is, and a
+    resume with other template settings (another pinned day) is refused before anything is written."""
+    llama32 = "tests/fixtures/chat_templates/meta-llama-Llama-3.2-3B-Instruct.jinja"
+    out = tmp_path / "regen.jsonl"
+    run(server, convs("one"), out, tok, template=load_template(tok, llama32, date="2026-01-02"))
+    run(server, convs("one", "two"), out, tok, template=load_template(tok, llama32))  # no day given: the file's
+    recs = records(out)
+    assert [r["meta"]["chat_template"]["chat_template_date"] for r in recs.values()] == ["2026-01-02"] * 2
+    before = out.read_text()
+    with pytest.raises(DataError, match="date 2026-01-02, this regenerate renders with 2026-01-03"):
+        run(server, convs("one", "two", "three"), out, tok, template=load_template(tok, llama32, date="2026-01-03"))
+    assert out.read_text() == before

@@ -129,7 +129,7 @@ def test_single_and_multi_turn_text_answers(base_tok, name):
         msgs.append({"role": "assistant", "content": C[k], **({"reasoning_content": R[k]} if think else {})})
     conv = parse_record({"id": name, "messages": msgs}, "t")
     if think and fmt is None:  # Granite: reasoning lives in the content as the model writes it, never in a field
-        with pytest.raises(DataError, match="message 2: it has reasoning_content, but the chat template renders none"):
+        with pytest.raises(DataError, match="message 2: it has reasoning_content, but the chat template with these"):
             sequences(conv, tok, template)
         return
     got = sequences(conv, tok, template)
@@ -266,7 +266,35 @@ def test_regenerated_reasoning_kept_or_dropped(base_tok, name):
     assert (kept["reasoning_content"], kept["content"], dropped) == (R[0], C[0], False)
     msg, dropped = answer_message(text, ids[:-1], stop, fmt, "drop")
     assert msg == {"role": "assistant", "content": C[0]} and dropped
+    cut = encode(tok, fmt.opener + R[0])  # cut at its length inside the reasoning: nothing to keep alone
+    kept_cut, dropped_cut = answer_message(tok.decode(cut), cut, None, fmt, "drop")
+    assert kept_cut["token_ids"] == cut and kept_cut["stop_token_id"] is None and not dropped_cut
     conv = parse_record({"id": name, "messages": [{"role": "user", "content": Q[0]}, msg]}, "t")
     ((_, sup),) = sequences(conv, tok, template)
     assert tok.decode(sup) == NO_REASONING.get(name, spec["generated"]).format(R="", C=C[0]).removeprefix(
         empty_block(spec))
+
+
+def test_reasoning_is_never_dropped_or_doubled_silently(base_tok):
+    """Review cases: a reasoning with the newlines the template strips is supervised once; a reasoning under
+    thinking off (the prompt already closed the block) is refused, not trained without its reasoning or with a
+    second block; an answer that repeats the question keeps its own text (Mistral, whose prompt and history
+    differ)."""
+    tok, template, _ = family(base_tok, "qwen3")
+    conv = parse_record({"id": "nl", "messages": [{"role": "user", "content": Q[0]}, {"role": "assistant",
+                        "content": C[0], "reasoning_content": R[0] + "\n\n"}]}, "t")
+    ((_, sup),) = sequences(conv, tok, template)
+    assert tok.decode(sup) == f"<think>\n{R[0]}\n</think>\n\n{C[0]}<|im_end|>"
+    for name in ("qwen3", "smollm3"):
+        tok, template, _ = family(base_tok, name, {"enable_thinking": False})
+        conv = parse_record({"id": name, "messages": [{"role": "user", "content": Q[0]}, {"role": "assistant",
+                            "content": C[0], "reasoning_content": R[0]}]}, "t")
+        with pytest.raises(DataError, match="message 1: it has reasoning_content, but the chat template with these"):
+            tokenize_conversation(conv, tok, template=template)
+    tok, template, spec = family(base_tok, "mistral-v0.3")
+    echo = "Paris is nice. Tell me about Paris"
+    conv = parse_record({"id": "m", "messages": [{"role": "system", "content": SYSTEM},
+                                                 {"role": "user", "content": "Tell me about Paris"},
+                                                 {"role": "assistant", "content": echo}]}, "t")
+    ((_, sup),) = sequences(conv, tok, template)
+    assert tok.decode(sup) == spec["generated"].format(R="", C=echo)

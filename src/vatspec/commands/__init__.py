@@ -83,8 +83,8 @@ def add_template_args(parser: argparse.ArgumentParser) -> None:
                         help="template arguments, as the engine's chat_template_kwargs (e.g. enable_thinking=false)")
     parser.add_argument("--chat-template-date", default=None, metavar="YYYY-MM-DD",
                         help="the day a template that stamps today's date renders (gpt-oss, Llama-3.2, Granite, "
-                             "Mistral-Small); default: the one recorded with the data, cache or draft read, and "
-                             "for regenerate, today")
+                             "SmolLM3, Mistral-Small); default: the one recorded with the data, cache or draft "
+                             "read, and for regenerate, the output's (a new one: today)")
 
 
 def use_template(target, args: argparse.Namespace):

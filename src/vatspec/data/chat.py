@@ -23,6 +23,7 @@ supervised in the context the target had when it answered (docs/data.md).
 from __future__ import annotations
 
 import datetime
+import functools
 import hashlib
 import json
 import re
@@ -48,7 +49,7 @@ class ChatTemplate:
     passed to ``apply_chat_template`` as the serving engine passes ``chat_template_kwargs``.
 
     ``date``: the day (``YYYY-MM-DD``) a template that stamps today's date (``strftime_now``: gpt-oss,
-    Llama-3.2, Granite, Mistral-Small-3.x) renders, pinned once per dataset (``pin_date``) so that data
+    Llama-3.2, Granite, SmolLM3, Mistral-Small-3.x) renders, pinned once per dataset (``pin_date``) so that data
     regenerated on one day and features cached on another are the same sequences. ``stop_ids``: the ids
     the engine ends a turn on (the target's generation config; ``attach_template`` sets them); the
     supervised end of an answer is the first of them the template renders after it."""
@@ -98,6 +99,7 @@ _PINNED = "vatspec_pinned_dates"  # the template variable the pinned day is read
 _STRFTIME_CALL = re.compile(r"""strftime_now\(\s*("[^"\\]*"|'[^'\\]*')\s*\)""")
 
 
+@functools.lru_cache(maxsize=16)  # once per template and day, not once per rendering (gpt-oss' is 15 kB)
 def _pinned_template(text: str, date: str) -> tuple[str, dict[str, str]]:
     """``text`` with each ``strftime_now("FORMAT")`` call read from a variable instead, and that variable's value
     (``{FORMAT: date formatted so}``). transformers passes a template only plain data (since 5.x a callable given
@@ -381,36 +383,53 @@ def _as_generated(template, tok, conv, i, prompt: str, whole: str) -> str:
     - a prompt that opens a reasoning block its history does not render (DeepSeek-R1, DeepSeek-V3.1 with
       thinking: the prompt ends in ``<think>``): the reasoning and the block's closer
       (``vatspec.data.reasoning``), then the rest, as the model writes them;
-    - else the content as it is."""
+    - else the content as it is.
+    A reasoning the text then does not hold (thinking off in the template's arguments, Granite's markers that
+    live only in its system prompt) is a ``DataError``, never dropped silently."""
     from vatspec.data.reasoning import reasoning_format
 
     msgs = conv.messages
     m, last = msgs[i], msgs[i - 1]["content"] if i else ""
-    reasoning = m.get("reasoning_content") or ""
+    reasoning = (m.get("reasoning_content") or "").strip()
+    fmt = reasoning_format(template, tok) if reasoning else None
+    text = None
     if whole.startswith(prompt):
         text = whole[len(prompt):]
-        fmt = reasoning_format(template, tok) if reasoning and reasoning not in text else None
-        if fmt is not None and not fmt.opened:  # a template that ignores the field (SmolLM3): the model's block first
-            text = fmt.join(reasoning, text)
-        elif reasoning and reasoning not in text:
-            raise DataError(f"conversation {conv.id!r}: message {i}: it has reasoning_content, but the chat template "
-                            "renders none and shows no reasoning markers to write it with: keep the answer as "
-                            "generated (its token_ids, or the reasoning inline in its content), or drop the "
-                            "reasoning (regenerate --reasoning drop)")
-        return text
-    for shown in (last, json.dumps(last, ensure_ascii=False)) if last else ():  # gpt-oss shows a tool result |tojson
-        if shown in prompt and shown in whole:
-            header = prompt[prompt.rfind(shown) + len(shown):]
-            after = whole[whole.rfind(shown) + len(shown):]
-            if header.strip() and after.startswith(header):
-                return after[len(header):]
-    fmt = reasoning_format(template, tok)
-    if fmt is not None and fmt.opened:
-        base = prompt.rstrip().removesuffix(fmt.opened)
-        if whole.startswith(base):
-            rest = whole[len(base):]
-            return reasoning + (rest if rest.startswith(fmt.closer) else fmt.separator + rest)
-    return m["content"]
+        closed = fmt is not None and fmt.closer in prompt[len(_upto(prompt, last)):]  # thinking off: prompt closed it
+        if fmt is not None and not fmt.rendered and not fmt.opened and not closed:
+            text = fmt.join(reasoning, text)  # a template that ignores the field (SmolLM3): the model's block first
+    else:
+        for shown in (last, json.dumps(last, ensure_ascii=False)) if last else ():  # gpt-oss shows a result |tojson
+            if shown in prompt and shown in whole:
+                header = prompt[len(_upto(prompt, shown)):]
+                after = whole[len(_upto(whole, shown, prompt.count(shown))):]
+                if header.strip() and after.startswith(header):
+                    text = after[len(header):]
+                    break
+        fmt = fmt or reasoning_format(template, tok)
+        if text is None and fmt is not None and fmt.opened:
+            base = prompt.rstrip().removesuffix(fmt.opened)
+            if whole.startswith(base):
+                rest = whole[len(base):]
+                text = reasoning + (rest if rest.startswith(fmt.closer) else fmt.separator + rest)
+    if text is None:
+        text = m["content"]
+    if reasoning and reasoning not in text:  # never silently: the answer would train without what the model wrote
+        raise DataError(f"conversation {conv.id!r}: message {i}: it has reasoning_content, but the chat template with "
+                        "these arguments renders none for it (thinking off, or a template that shows no reasoning "
+                        "markers): keep the answer as generated (its token_ids), render it in the mode it was "
+                        "generated in, or drop the reasoning (regenerate --reasoning drop)")
+    return text
+
+
+def _upto(text: str, sub: str, n: int | None = None) -> str:
+    """``text`` up to the end of the ``n``-th occurrence of ``sub`` (the last when ``n`` is None)."""
+    if n is None:
+        return text[: text.rfind(sub) + len(sub)]
+    at = -1
+    for _ in range(n):
+        at = text.find(sub, at + 1)
+    return text[: at + len(sub)]
 
 
 def _stop(template, tok, msgs, i, conv, prompt, text: str | None = None) -> tuple[int | None, int]:
@@ -421,7 +440,7 @@ def _stop(template, tok, msgs, i, conv, prompt, text: str | None = None) -> tupl
     token, ``<|user|>`` or ``<|observation|>``) is asked by rendering what follows it: the next message, or a
     probe user message (a tool result after a tool call)."""
     special = _special_ids(tok)
-    is_stop = (lambda t: t in template.stop_ids) if template.stop_ids else (lambda t: t in special)
+    is_stop = (lambda t: t in template.stop_ids) if template.stop_ids else special.__contains__
     m = msgs[i]
     if text is None:
         whole = _render(template, tok, msgs[: i + 1], conv, i, generation_prompt=False)

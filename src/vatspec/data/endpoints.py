@@ -30,18 +30,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vatspec.data.chat import ChatTemplate, pin_date
+from vatspec.data.chat import ChatTemplate, check_settings, pin_date
 from vatspec.data.reasoning import reasoning_format
 from vatspec.data.records import Conversation, DataError
 from vatspec.data.regen import (
     RegenStats,
-    _resume_ids,
+    _resume,
     answer_message,
     longest_first,
     regen_plan,
     source_sha256,
     turn_budget,
 )
+from vatspec.data.tools import tool_calls
 from vatspec.outputs import own_jsonl
 
 log = logging.getLogger(__name__)
@@ -183,15 +184,16 @@ def regenerate_endpoints(
         raise DataError("regenerate: conversation ids must be unique")
     if failed_path.exists():
         own_jsonl(failed_path, lambda r: isinstance(r.get("id"), str) and "error" in r, "--out's failure list")
-    done = _resume_ids(out_path)
+    done, recorded = _resume(out_path)
     todo = longest_first([c for c in convs if c.id not in done])
     stats = RegenStats(skipped_done=len(convs) - len(todo))
     if not todo:
         return stats
     probe = _body(model, [{"role": "user", "content": "Hi"}], 1, temperature, top_p, seed, template)
     check_endpoints(endpoints, model, probe, retries)
-    template = pin_date(template, tokenizer, today=True)
+    template = pin_date(template, tokenizer, recorded, today=True)  # a resumed file keeps the day it was begun on
     settings = template.settings(tokenizer)
+    check_settings(recorded, settings, str(out_path), "this regenerate")
     fmt = reasoning_format(template, tokenizer)
     special = [t for t in getattr(tokenizer, "all_special_tokens", []) if fmt and t in fmt.opener + fmt.separator]
     if special and not any(ep.token_ids for ep in endpoints):
@@ -337,11 +339,14 @@ def _answer(ep: Endpoint, job: _Job, history: list[dict], tools, budget: int, ge
         ids = None
     answer, dropped = answer_message(message.get("content") or "", ids, stop, gen["format"], gen["reasoning"],
                                      thought or None)
-    if ids is not None and finish == "stop" and stop is None:
+    if "token_ids" in answer and finish == "stop" and stop is None:
         del answer["stop_token_id"]  # it stopped on a token the server did not return: the template's is learned
     calls = message.get("tool_calls")
-    if calls:  # the server's tool parser: structured calls, arguments a JSON object as records hold them
-        answer["tool_calls"] = [_tool_call(c) for c in calls]
+    if calls:  # the server's tool parser: structured calls, checked as records are (a bad one: kept as text, ids)
+        try:
+            answer["tool_calls"] = tool_calls(calls, f"{ep.url}: tool_calls")
+        except DataError as e:
+            log.warning("%s; the answer is kept as its text and ids", e)
     engine_prompt = resp.get("prompt_token_ids")
     if isinstance(engine_prompt, list) and "token_ids" in answer:
         answer["prompt_token_ids"] = engine_prompt
@@ -357,17 +362,6 @@ def _answer(ep: Endpoint, job: _Job, history: list[dict], tools, budget: int, ge
     job.turns += 1
     job.cut += finish == "length"
     return answer, finish
-
-
-def _tool_call(call: dict) -> dict:
-    fn = call.get("function") or {}
-    args = fn.get("arguments")
-    if isinstance(args, str):
-        args = json.loads(args or "{}")
-    out = {"type": "function", "function": {"name": fn.get("name"), "arguments": args}}
-    if call.get("id") is not None:
-        out["id"] = call["id"]
-    return out
 
 
 def _wire(m: dict) -> dict:
@@ -414,7 +408,9 @@ def verify_sample(records: Sequence[dict], target, template: ChatTemplate, n: in
     for rec in records[:n]:
         msgs = rec["messages"]
         first = int(rec.get("meta", {}).get("context_turns", 0))
-        i = next((k for k, m in enumerate(msgs) if m["role"] == "assistant" and k >= first), None)
+        # the first answer the server generated (a tool call kept from the data has neither ids nor a finish)
+        i = next((k for k, m in enumerate(msgs) if m["role"] == "assistant" and k >= first
+                  and (m.get("token_ids") is not None or not m.get("tool_calls"))), None)
         if i is None:
             continue
         served = msgs[i].get("token_ids")

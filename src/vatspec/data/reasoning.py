@@ -31,6 +31,7 @@ class ReasoningFormat:
     opener: str
     separator: str
     opened: str = ""  # the block opener the generation prompt ends with (DeepSeek-R1's ``<think>``), else ""
+    rendered: bool = False  # the template renders the reasoning field itself (Qwen3, gpt-oss, GLM-4.5)
 
     @property
     def closer(self) -> str:
@@ -90,7 +91,7 @@ def _learn(template, tok) -> ReasoningFormat | None:
         r, c = rest.find(REASONING_PROBE), rest.find(ANSWER_PROBE)
         if 0 <= r < c:
             sep = rest[r + len(REASONING_PROBE): c]
-            return ReasoningFormat(rest[:r], sep) if sep.strip() else None
+            return ReasoningFormat(rest[:r], sep, rendered=True) if sep.strip() else None
     return _opened_by_prompt(tok, prompt, whole) or _empty_block(template, tok, user, answer)
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from vatspec.data.chat import ChatTemplate, pin_date, require_template
+from vatspec.data.chat import ChatTemplate, check_settings, pin_date, require_template
 from vatspec.data.reasoning import ReasoningFormat, reasoning_format
 from vatspec.data.records import Conversation, DataError
 from vatspec.outputs import OutputError, own_jsonl
@@ -107,14 +107,15 @@ def regenerate(
     require_template(tok, template)
     if reasoning not in ("keep", "drop"):
         raise DataError(f"reasoning must be keep or drop, got {reasoning!r}")
-    template = pin_date(template, tok, today=True)
+    out_path = Path(out_path)
+    done, recorded = _resume(out_path)
+    template = pin_date(template, tok, recorded, today=True)  # a resumed file keeps the day it was begun on
     settings = template.settings(tok)
+    check_settings(recorded, settings, str(out_path), "this regenerate")
     ids = [c.id for c in convs]
     if len(set(ids)) != len(ids):
         dup = next(i for i in ids if ids.count(i) > 1)
         raise DataError(f"regenerate: conversation ids must be unique; {dup!r} repeats")
-    out_path = Path(out_path)
-    done = _resume_ids(out_path)
     todo = [c for c in convs if c.id not in done]
     src = {c.id: c for c in todo}
     stats = RegenStats(skipped_done=len(convs) - len(todo))
@@ -169,11 +170,16 @@ def answer_message(text: str, ids: list[int] | None, stop: int | None, fmt: Reas
                    reasoning: str, thought: str | None = None) -> tuple[dict, bool]:
     """``(message, dropped)``: a generated answer as a record stores it. ``thought``: the reasoning a server's
     parser returned apart; else it is split from ``text`` by ``fmt``. ``reasoning="drop"`` keeps the content
-    alone and no ids (they hold the reasoning); ``dropped`` says a reasoning was dropped."""
+    alone and no ids (they hold the reasoning); ``dropped`` says a reasoning was dropped. An answer cut inside its
+    reasoning (or a harmony analysis followed by a call: no final channel) has no content to keep alone: it is
+    kept as generated, with its ids."""
+    whole = text
     if thought is None and fmt is not None:
         thought, text = fmt.split(text)
-    if reasoning == "drop" and thought is not None:
+    if reasoning == "drop" and thought is not None and text:
         return {"role": "assistant", "content": text}, True
+    if reasoning == "drop" and thought is not None and ids is not None:  # cut inside its reasoning: no answer
+        thought, text = None, whole  # to keep alone: kept as generated, its ids trained as they are
     msg = {"role": "assistant", "content": text}
     if thought is not None:
         msg["reasoning_content"] = thought
@@ -359,6 +365,8 @@ def source_sha256(conv: Conversation) -> str:
     """The identity of the input conversation a record was regenerated from (its id aside): the sha256 of its
     messages' roles and texts, recorded as ``meta["source"]``."""
     msgs = [[m["role"], m["content"]] + ([m["tool_calls"]] if m.get("tool_calls") else []) for m in conv.messages]
+    if conv.tools:  # a conversation without tools hashes as before tools were read
+        msgs.append(conv.tools)
     return hashlib.sha256(json.dumps(msgs, ensure_ascii=False).encode()).hexdigest()
 
 
@@ -384,15 +392,17 @@ def is_regenerated(rec) -> bool:
             and isinstance(rec.get("meta"), dict) and isinstance(rec["meta"].get("finish"), list))
 
 
-def _resume_ids(path: Path) -> set[str]:
-    """Ids already written to ``path``; cuts off a partial last line left by an interrupted run, once the
-    file is known to be regenerate's output."""
+def _resume(path: Path) -> tuple[set[str], dict | None]:
+    """``(ids already written to path, the template settings its records were made with)``; cuts off a partial
+    last line left by an interrupted run, once the file is known to be regenerate's output."""
     if not path.exists():
-        return set()
+        return set(), None
     records, keep = own_jsonl(path, is_regenerated, "--out", tail_prefix=b'{"id": ')
     if keep < path.stat().st_size:
         log.warning("%s: cut off a partial last line (%d bytes) from an interrupted run", path,
                     path.stat().st_size - keep)
         with open(path, "rb+") as f:
             f.truncate(keep)
-    return {r["id"] for r in records}
+    settings = next((r["meta"]["chat_template"] for r in records if isinstance(r["meta"].get("chat_template"), dict)),
+                    None)
+    return {r["id"] for r in records}, settings

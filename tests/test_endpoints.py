@@ -27,13 +27,17 @@ class StandIn(ThreadingHTTPServer):
     ``token_ids``: return the answer's ids when asked (as vLLM); ``strict``: refuse unknown fields (HTTP 422,
     as transformers serve). ``vllm``: as vLLM with a reasoning parser and a tool parser: the prompt's ids (its
     own rendering of the messages, one token more for a prompt holding ``skew``), ``reasoning_content`` apart
-    for a prompt holding ``think``, a structured call for one holding ``weather``."""
+    for a prompt holding ``think``, a structured call for one holding ``weather``. Bad answers: ``badid`` returns an
+    id past the vocabulary, ``abort`` finish_reason ``abort``, ``nullcontent`` a null content, ``othermodel`` another
+    model's name. ``key``: answer only requests carrying ``Authorization: Bearer KEY`` (else 401, as vLLM's
+    ``--api-key``); ``auth`` holds the Authorization header of every request."""
 
     daemon_threads = True
 
-    def __init__(self, tok, token_ids=True, strict=False, vllm=False):
+    def __init__(self, tok, token_ids=True, strict=False, vllm=False, key=None):
         super().__init__(("127.0.0.1", 0), Handler)
-        self.tok, self.token_ids, self.strict, self.vllm = tok, token_ids, strict, vllm
+        self.tok, self.token_ids, self.strict, self.vllm, self.key = tok, token_ids, strict, vllm, key
+        self.auth: list = []  # each request's Authorization header (None: none)
         self.seen: list[dict] = []  # request bodies
         self.hits: dict[str, int] = {}
         self.lock = threading.Lock()
@@ -55,12 +59,24 @@ class Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(raw)
 
+    def _refused(self) -> bool:
+        srv: StandIn = self.server
+        with srv.lock:
+            srv.auth.append(self.headers.get("Authorization"))
+        if srv.key and self.headers.get("Authorization") != f"Bearer {srv.key}":
+            self._send(401, {"error": "invalid api key"})
+            return True
+        return False
+
     def do_GET(self):
-        self._send(200, {"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+        if not self._refused():
+            self._send(200, {"object": "list", "data": [{"id": MODEL, "object": "model"}]})
 
     def do_POST(self):
         srv: StandIn = self.server
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self._refused():
+            return
         if srv.strict and "return_token_ids" in body:
             return self._send(422, {"detail": "Unexpected fields in the request: {'return_token_ids'}"})
         if body["model"] != MODEL:
@@ -86,10 +102,14 @@ class Handler(BaseHTTPRequestHandler):
         if len(ids) > body["max_tokens"]:
             ids, finish = ids[: body["max_tokens"]], "length"
             text = srv.tok.decode(ids)
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+        choice = {"index": 0, "message": {"role": "assistant", "content": None if "nullcontent" in last else text},
+                  "finish_reason": "abort" if "abort" in last else finish}
         if srv.token_ids and body.get("return_token_ids"):
             choice["token_ids"] = ids + ([IM_END] if finish == "stop" else [])  # vLLM keeps the stop token
-        self._send(200, {"choices": [choice], "usage": {"completion_tokens": len(ids)}})
+            if "badid" in last:
+                choice["token_ids"][0] = len(srv.tok)
+        model = "other/model" if "othermodel" in last else body["model"]
+        self._send(200, {"model": model, "choices": [choice], "usage": {"completion_tokens": len(ids)}})
 
 
 def _as_vllm(tok, body: dict, last: str) -> dict:
@@ -135,6 +155,8 @@ def server(tok):
 @pytest.fixture(autouse=True)
 def fast_backoff(monkeypatch):
     monkeypatch.setattr(endpoints_mod, "BACKOFF_S", 0.01)
+    for var in endpoints_mod.KEY_VARS:  # no key of the developer's reaches the stand-in
+        monkeypatch.delenv(var, raising=False)
 
 
 def convs(*prompts):
@@ -310,3 +332,108 @@ def test_a_resumed_regeneration_keeps_its_day_and_settings(server, tok, tmp_path
     with pytest.raises(DataError, match="date 2026-01-02, this regenerate renders with 2026-01-03"):
         run(server, convs("one", "two", "three"), out, tok, template=load_template(tok, llama32, date="2026-01-03"))
     assert out.read_text() == before
+
+
+def failures(out):
+    return sorted((json.loads(line) for line in (out.parent / (out.name + ".failed.jsonl")).read_text().splitlines()),
+                  key=lambda f: f["id"])
+
+
+def test_bad_answers_fail_their_conversation(server, tok, tmp_path):
+    """An answer with an id past the vocabulary, a cut finish, a null content or another model's name is never
+    written as done: its conversation is listed with the reason (not retried in the run) and a rerun retries it."""
+    data = convs("fine", "badid here", "abort here", "nullcontent here", "othermodel here")
+    out = tmp_path / "regen.jsonl"
+    stats = run(server, data, out, tok)
+    assert sorted(records(out)) == ["c0"] and (stats.conversations, stats.failed, stats.retried) == (1, 4, 0)
+    bad, v = f"{server.url}: a bad answer:", len(tok)
+    assert failures(out) == [
+        {"id": "c1", "endpoint": server.url, "error": f"{bad} token_ids holds {v}, not a token id in [0, {v})"},
+        {"id": "c2", "endpoint": server.url, "error": f"{bad} finish_reason 'abort' (the answer is cut or failed)"},
+        {"id": "c3", "endpoint": server.url, "error": f"{bad} content null with no tool calls and no reasoning"},
+        {"id": "c4", "endpoint": server.url,
+         "error": f"{bad} it names model 'other/model', not --model 'stand-in/model'"}]
+    server.seen.clear()
+    stats2 = run(server, data, out, tok)  # the rerun asks again for the four, and only them
+    assert (stats2.skipped_done, stats2.failed) == (1, 4)
+    assert sorted(b["messages"][-1]["content"] for b in server.seen if b["max_tokens"] > 1) == sorted(
+        ["badid here", "abort here", "nullcontent here", "othermodel here"])
+    assert sorted(records(out)) == ["c0"]
+
+
+def test_exit_status_when_every_request_fails(server, tmp_path, default_target_path, capsys):
+    from vatspec.cli import main
+
+    def regen(name, *prompts):
+        src = tmp_path / f"{name}.jsonl"
+        src.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+        out = tmp_path / f"{name}.out.jsonl"
+        code = main(["regenerate", str(src), "--out", str(out), "--target", str(default_target_path),
+                     "--endpoint", server.url, "--model", MODEL, "--retries", "0"])
+        return code, capsys.readouterr().out, out
+
+    code, line, out = regen("all", "abort one", "always500 two")
+    assert code == 1 and "wrote 0 conversations" in line and ", 2 failed (listed in" in line
+    assert line.rstrip().endswith(f"; every conversation of this run failed (see {out}.failed.jsonl)")
+    assert [f["error"].split(": ", 1)[1] for f in failures(out)] == [
+        "a bad answer: finish_reason 'abort' (the answer is cut or failed)", 'HTTP 500: {"error": "overloaded"}']
+    code, line, out = regen("some", "Hi", "abort one")
+    assert code == 0 and "wrote 1 conversations" in line and ", 1 failed (listed in" in line
+    assert "every conversation" not in line and len(failures(out)) == 1
+
+
+def test_api_key_from_the_environment(tok, tmp_path, monkeypatch, default_target_path, capsys):
+    srv = StandIn(tok, key="s3cret-key")
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        out = tmp_path / "regen.jsonl"
+        with pytest.raises(DataError) as e:
+            run(srv, convs("hi"), out, tok)
+        assert str(e.value) == (f"--endpoint {srv.url}: does not answer ({srv.url}: HTTP 401 (set VATSPEC_API_KEY or "
+                                f"OPENAI_API_KEY to the server's API key))")
+        assert srv.auth == [None] and not out.exists()  # a 401 is not retried
+        srv.auth.clear()
+        monkeypatch.setenv("OPENAI_API_KEY", "s3cret-key")
+        assert run(srv, convs("hi"), out, tok).conversations == 1
+        assert srv.auth and set(srv.auth) == {"Bearer s3cret-key"}  # every request, the model list included
+        srv.auth.clear()
+        monkeypatch.setenv("OPENAI_API_KEY", "wrong")
+        monkeypatch.setenv("VATSPEC_API_KEY", "s3cret-key")  # first
+        from vatspec.cli import main
+
+        src = tmp_path / "p.jsonl"
+        src.write_text('{"prompt": "Hi"}\n{"prompt": "abort"}\n')
+        cli_out = tmp_path / "cli.jsonl"
+        assert main(["regenerate", str(src), "--out", str(cli_out), "--target", str(default_target_path),
+                     "--endpoint", srv.url, "--model", MODEL]) == 0
+        assert set(srv.auth) == {"Bearer s3cret-key"}
+        printed = capsys.readouterr()
+        written = [p.read_text() for p in tmp_path.iterdir() if p.is_file()]
+        assert not any("s3cret" in t for t in written + [printed.out, printed.err])
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+@pytest.mark.parametrize("url, shown, why", [
+    ("http://user:hunter2@127.0.0.1:8000", "http://***@127.0.0.1:8000", "a URL with credentials is refused"),
+    ("http://hunter2@127.0.0.1:8000/v1", "http://***@127.0.0.1:8000/v1", "a URL with credentials is refused"),
+    ("http://127.0.0.1:8000/v1?api_key=hunter2", "http://127.0.0.1:8000/v1?***", "a URL with a query or a fragment"),
+    ("https://host.example/v1#hunter2", "https://host.example/v1#***", "a URL with a query or a fragment"),
+])
+def test_a_url_with_a_secret_is_refused_without_echoing_it(tok, tmp_path, default_target_path, capsys, url, shown,
+                                                           why):
+    out = tmp_path / "regen.jsonl"
+    with pytest.raises(DataError) as e:
+        regenerate_endpoints(convs("hi"), [url], MODEL, tok, [IM_END], out, progress=False)
+    assert str(e.value).startswith(f"--endpoint {shown}: {why}") and "hunter2" not in str(e.value)
+    assert str(e.value).endswith("give the API key as VATSPEC_API_KEY or OPENAI_API_KEY")
+    from vatspec.cli import main
+
+    src = tmp_path / "p.jsonl"
+    src.write_text('{"prompt": "Hi"}\n')
+    assert main(["regenerate", str(src), "--out", str(out), "--target", str(default_target_path),
+                 "--endpoint", url, "--model", MODEL]) == 2
+    err = capsys.readouterr().err
+    assert err == f"vatspec regenerate: error: {e.value}\n" and "hunter2" not in err
+    assert not out.exists() and not (tmp_path / "regen.jsonl.summary.json").exists()

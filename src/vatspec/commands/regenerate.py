@@ -50,7 +50,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     srv = parser.add_argument_group("through serving engines (OpenAI-compatible chat completions: vLLM, SGLang, TGI, "
                                     "llama.cpp, transformers serve); --target then gives the tokenizer")
     srv.add_argument("--endpoint", action="append", default=[], metavar="URL",
-                     help="a server's URL (repeat for several: requests spread over all)")
+                     help="a server's URL (repeat for several: requests spread over all); no credentials, "
+                          "query or fragment in it: an API key is read from VATSPEC_API_KEY, else OPENAI_API_KEY")
     srv.add_argument("--model", help="the model name the servers serve (required with --endpoint)")
     srv.add_argument("--concurrency", type=int_arg(1), default=4, help="requests in flight per endpoint")
     srv.add_argument("--retries", type=int_arg(0), default=5,
@@ -96,6 +97,11 @@ def run(args: argparse.Namespace) -> int:
             raise DataError("--endpoint needs --model: the name the servers serve the target under")
         if args.model and not args.endpoint:
             raise DataError("--model names the model of --endpoint servers; give --endpoint URL")
+        if args.endpoint:
+            from vatspec.data.endpoints import check_url
+
+            for url in args.endpoint:  # a secret in a URL: refused before anything is loaded
+                check_url(url)
         local = not args.endpoint or args.verify_sample  # through servers only the tokenizer is needed
         target = open_target(args.target, device=(args.device or "auto") if local else "meta", dtype=args.dtype)
         template = use_template(target, args)
@@ -176,8 +182,11 @@ def _through_endpoints(args, convs, target, template, read) -> int:
         line += (f"; token ids identical to in-process generation in {v['identical']} of {v['sampled']} answers"
                  + (f" (first differences at tokens {v['first_difference']})" if v["first_difference"] else ""))
     _write_summary(args.out + ".summary.json", summary)
+    all_failed = stats.failed > 0 and stats.conversations == 0  # exit 1: a wrong key, a dead server, bad answers
+    if all_failed:
+        line += f"; every conversation of this run failed (see {args.out}.failed.jsonl)"
     print(line)
-    return 0
+    return 1 if all_failed else 0
 
 
 def _write_summary(path: str, summary: dict) -> None:

@@ -12,7 +12,9 @@ ownership rules), with the endpoint, the model and the server's finish reasons i
 generated ids on each answer when the server returns them (vLLM's ``return_token_ids``); else training
 re-tokenizes the text. A request that fails with a 5xx, a timeout or a dropped connection is retried with
 backoff; a conversation that keeps failing is written to ``OUT.failed.jsonl`` and counted, and the next
-run retries it.
+run retries it. So is one whose answer is malformed or cut (``_check_answer``). The API key of a server started
+with ``--api-key`` (or a hosted one) is read from ``VATSPEC_API_KEY``, else ``OPENAI_API_KEY``, sent as
+``Authorization: Bearer`` and written nowhere; a URL holding credentials, a query or a fragment is refused.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import queue
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -48,6 +51,34 @@ from vatspec.outputs import own_jsonl
 log = logging.getLogger(__name__)
 
 BACKOFF_S = 0.5  # the first retry's wait; doubled each time
+KEY_VARS = ("VATSPEC_API_KEY", "OPENAI_API_KEY")  # the servers' API key, first set one wins; never a flag (ps shows it)
+FINISHED = ("stop", "length", "tool_calls")  # tool_calls: vLLM, transformers serve and OpenAI end a call so
+
+
+def api_key() -> str | None:
+    """The API key from the environment (``KEY_VARS``), or None."""
+    return next((os.environ[v] for v in KEY_VARS if os.environ.get(v)), None)
+
+
+def check_url(url: str) -> None:
+    """A ``DataError`` of one line for a URL that would carry a secret into the outputs and messages: credentials
+    (``user:pass@``), a query or a fragment (where a token hides); the secret part shown as ``***``."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port  # noqa: B018 - a bad port raises here
+    except ValueError as e:
+        raise DataError(f"--endpoint: not a URL ({e})") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise DataError(f"--endpoint {'***' if '@' in url else url}: not an http(s)://HOST[:PORT] URL")
+    host = parts.netloc.rpartition("@")[2]
+    shown = urllib.parse.urlunsplit((parts.scheme, ("***@" if "@" in parts.netloc else "") + host, parts.path,
+                                     "***" if parts.query else "", "***" if parts.fragment else ""))
+    if "@" in parts.netloc:
+        raise DataError(f"--endpoint {shown}: a URL with credentials is refused (it would be written to the outputs); "
+                        f"give the API key as VATSPEC_API_KEY or OPENAI_API_KEY")
+    if parts.query or parts.fragment or url.rstrip().endswith(("?", "#")):
+        raise DataError(f"--endpoint {shown}: a URL with a query or a fragment is refused (a token there would be "
+                        f"written to the outputs); give the API key as VATSPEC_API_KEY or OPENAI_API_KEY")
 
 
 class EndpointError(RuntimeError):
@@ -66,6 +97,7 @@ class Endpoint:
     timeout: float = 600.0
     token_ids: bool = False  # the server returns the generated ids (found by ``check_endpoints``)
     requests: int = field(default=0, compare=False)
+    key: str | None = field(default_factory=api_key, repr=False, compare=False)  # never printed nor written
 
     @property
     def base(self) -> str:
@@ -75,11 +107,17 @@ class Endpoint:
     def call(self, path: str, body: dict | None = None) -> dict:
         """GET (``body`` None) or POST JSON to ``base + path``; the decoded JSON answer."""
         data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.base + path, data=data, headers={"Content-Type": "application/json"})
+        headers = {"Content-Type": "application/json"}
+        if self.key:
+            headers["Authorization"] = f"Bearer {self.key}"
+        req = urllib.request.Request(self.base + path, data=data, headers=headers)
         try:
             with urllib.request.urlopen(req, timeout=self.timeout) as resp:
                 raw = resp.read()
         except urllib.error.HTTPError as e:
+            if e.code in (401, 403):
+                raise EndpointError(f"{self.url}: HTTP {e.code} (set VATSPEC_API_KEY or OPENAI_API_KEY to the "
+                                    f"server's API key)", False) from None
             detail = e.read()[:300].decode("utf-8", "replace")
             raise EndpointError(f"{self.url}: HTTP {e.code}: {detail}", e.code >= 500 or e.code in (408, 429)) from None
         except (urllib.error.URLError, http.client.HTTPException, ConnectionError, TimeoutError) as e:
@@ -175,6 +213,8 @@ def regenerate_endpoints(
     the failure file, the workers and the result queue live exactly as long as each other."""
     from tqdm.auto import tqdm
 
+    for url in urls:  # before anything is read, written or sent
+        check_url(url)
     template = template or ChatTemplate()
     out_path = Path(out_path)
     failed_path = out_path.with_name(out_path.name + ".failed.jsonl")
@@ -201,7 +241,7 @@ def regenerate_endpoints(
                     "drops from its text (transformers serve does): without its reasoning parser the reasoning cannot "
                     "be told apart from the answer; prefer a server that returns token ids (vLLM) or parses "
                     "reasoning (--reasoning-parser)", ", ".join(special))
-    gen = dict(format=fmt, model=model, tokenizer=tokenizer, eos=set(eos_ids),
+    gen = dict(format=fmt, model=model, tokenizer=tokenizer, vocab=len(tokenizer), eos=set(eos_ids),
                max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
                max_prompt_tokens=max_prompt_tokens, max_length=max_length, template=template, reasoning=reasoning,
                last_turn_only=last_turn_only, retries=retries)
@@ -323,6 +363,7 @@ def _answer(ep: Endpoint, job: _Job, history: list[dict], tools, budget: int, ge
     if ep.token_ids:
         body["return_token_ids"] = True
     resp = _retried(ep, "/chat/completions", body, gen["retries"], job)
+    _check_answer(resp, ep.url, gen["model"], gen["vocab"])
     choice = resp["choices"][0]
     message = choice.get("message") or {}
     thought = message.get("reasoning_content") or message.get("reasoning")  # a server's reasoning parser
@@ -362,6 +403,40 @@ def _answer(ep: Endpoint, job: _Job, history: list[dict], tools, budget: int, ge
     job.turns += 1
     job.cut += finish == "length"
     return answer, finish
+
+
+def _check_answer(resp, url: str, model: str, vocab: int) -> None:
+    """An answer that is whole and this model's, or ``EndpointError`` (not retried: the conversation fails and is
+    listed, and a rerun retries it): its ids ints in [0, ``vocab``), its finish ``stop``, ``length`` or
+    ``tool_calls`` (``abort``, ``error``: a cut answer is not trained as complete), some content, tool calls or
+    reasoning, and ``model`` (or none) in its ``model`` field."""
+    def bad(why: str):
+        return EndpointError(f"{url}: a bad answer: {why}", False)
+
+    choices = resp.get("choices") if isinstance(resp, dict) else None
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        raise bad("no choices")
+    named = resp.get("model")
+    if named is not None and named not in (model, f"{model}@main"):  # transformers serve: repo@revision
+        raise bad(f"it names model {named!r:.80}, not --model {model!r}")
+    choice = choices[0]
+    finish = choice.get("finish_reason")
+    if finish not in FINISHED:
+        raise bad(f"finish_reason {finish!r:.40} (the answer is cut or failed)")
+    for key, ids in (("token_ids", choice.get("token_ids")), ("prompt_token_ids", resp.get("prompt_token_ids"))):
+        if ids is None:
+            continue
+        if not isinstance(ids, list):
+            raise bad(f"{key} is not a list")
+        wrong = [i for i in ids if type(i) is not int or not 0 <= i < vocab][:1]
+        if wrong:
+            raise bad(f"{key} holds {wrong[0]!r:.40}, not a token id in [0, {vocab})")
+    message = choice.get("message")
+    if not isinstance(message, dict):
+        raise bad("no message")
+    if message.get("content") is None and not message.get("tool_calls") and not (
+            message.get("reasoning_content") or message.get("reasoning")):
+        raise bad("content null with no tool calls and no reasoning")
 
 
 def _wire(m: dict) -> dict:

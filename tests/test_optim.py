@@ -124,3 +124,27 @@ def test_a_state_dict_keyed_by_name_or_missing_torchs_fields_loads():
     for key in ("nesterov", "ns_coefficients", "adjust_lr_fn"):
         del old["param_groups"][0][key]
     _resumes_exactly(a, oa, old, 1)
+
+
+def test_float32_orthogonalisation_is_torch_s_iteration():
+    """``newton_schulz_fp32`` (Muon's orthogonalisation on a CPU without bf16 hardware) is torch's own iteration
+    in float32: it agrees with torch's bf16 result to bf16's precision, and with a float64 run of the same
+    iteration to float32's, tall and wide."""
+    from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS, _zeropower_via_newtonschulz
+
+    from vatspec.optim import newton_schulz_fp32
+
+    coef = (DEFAULT_A, DEFAULT_B, DEFAULT_C)
+    torch.manual_seed(0)
+    for shape in ((48, 16), (16, 48)):
+        g = torch.randn(*shape)
+        ours = newton_schulz_fp32(g, coef, 5, EPS)
+        assert ours.dtype == torch.float32 and ours.shape == g.shape
+        assert torch.allclose(ours, _zeropower_via_newtonschulz(g, coef, 5, EPS).float(), atol=0.03)  # bf16 rounding
+        x = g.double().T if shape[0] > shape[1] else g.double()  # the iteration by hand, in float64
+        x = x / x.norm()
+        for _ in range(5):
+            gram = x @ x.T
+            x = DEFAULT_A * x + (DEFAULT_B * gram + DEFAULT_C * gram @ gram) @ x
+        x = x.T if shape[0] > shape[1] else x
+        assert torch.allclose(ours.double(), x, atol=1e-5)

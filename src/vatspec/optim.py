@@ -26,9 +26,10 @@ class MuonWithAdamW(torch.optim.Optimizer):
     its ``param_groups`` are the two optimizers' own group dicts (Muon's first), so a scheduler's lr reaches
     both; its state dict is the standard one over the parameters in that order (Muon's, then AdamW's)."""
 
-    def __init__(self, muon: torch.optim.Muon, adamw: torch.optim.AdamW):
+    def __init__(self, muon: torch.optim.Muon, adamw: torch.optim.AdamW, fp32_orthogonalise: bool = False):
         # not Optimizer.__init__: the groups and state are the two optimizers' own, not copies
         self.muon, self.adamw = muon, adamw
+        self.fp32_orthogonalise = fp32_orthogonalise
         self.defaults = {}
         self.param_groups = [*muon.param_groups, *adamw.param_groups]
         self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks = {}, {}
@@ -41,7 +42,13 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        self.muon.step()
+        if self.fp32_orthogonalise:
+            from unittest import mock
+
+            with mock.patch.object(torch.optim._muon, "_zeropower_via_newtonschulz", newton_schulz_fp32):
+                self.muon.step()
+        else:
+            self.muon.step()
         self.adamw.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -70,10 +77,29 @@ class MuonWithAdamW(torch.optim.Optimizer):
         self.param_groups[:] = [*self.muon.param_groups, *self.adamw.param_groups]
 
 
+def newton_schulz_fp32(grad: torch.Tensor, ns_coefficients: tuple[float, float, float], ns_steps: int,
+                       eps: float) -> torch.Tensor:
+    """torch's Muon orthogonalisation (``torch.optim._muon._zeropower_via_newtonschulz``: the same quintic
+    Newton-Schulz iteration, coefficients and normalisation) in float32 instead of bfloat16. A CPU without bf16
+    hardware (no AVX512-BF16 or AMX) emulates bf16 products: there one 1536 x 576 matrix took 7.9 s in bf16 and
+    0.33 s in float32 (1 thread), which made a Muon step of the demo's DFlash draft take ~45 s."""
+    a, b, c = ns_coefficients
+    x = grad.float()
+    tall = x.size(0) > x.size(1)
+    if tall:
+        x = x.T
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(ns_steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x
+
+
 def build_optimizer(module: nn.Module, optim_cfg, precision: str = "fp32") -> torch.optim.Optimizer:
     """The optimizer ``optim_cfg`` names over ``module``'s trainable parameters, in ``module.parameters()``
     order within each group (``optim_cfg.lr`` resolved already). ``precision`` is unused: torch's Muon runs
-    its orthogonalisation in bfloat16 whatever the training precision."""
+    its orthogonalisation in bfloat16 whatever the training precision, except on a device that does not
+    multiply bf16 in hardware, where it runs in float32 (``newton_schulz_fp32``)."""
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     kw = dict(lr=optim_cfg.lr, weight_decay=optim_cfg.weight_decay)
     if optim_cfg.kind == "adamw":
@@ -87,4 +113,7 @@ def build_optimizer(module: nn.Module, optim_cfg, precision: str = "fp32") -> to
         raise ValueError("optim.kind=muon: the drafter has no hidden matrices (attention / MLP projections, fc)")
     muon = torch.optim.Muon(hidden, lr=optim_cfg.lr * optim_cfg.muon_lr_scale, weight_decay=optim_cfg.weight_decay,
                             adjust_lr_fn="match_rms_adamw")
-    return MuonWithAdamW(muon, torch.optim.AdamW(rest, betas=optim_cfg.betas, **kw))
+    from vatspec.precision import native_bf16
+
+    return MuonWithAdamW(muon, torch.optim.AdamW(rest, betas=optim_cfg.betas, **kw),
+                         fp32_orthogonalise=not native_bf16(hidden[0].device))

@@ -513,9 +513,13 @@ def prompt_agreement(convs: list[Conversation], tok, template: ChatTemplate) -> 
             if mine == theirs:
                 same += 1
             else:
-                parts.append(next((k for k, (a, b) in enumerate(zip(mine, theirs)) if a != b),
-                                  min(len(mine), len(theirs))))
+                parts.append(first_difference(mine, theirs))
     return checked, same, parts
+
+
+def first_difference(a: list[int], b: list[int]) -> int:
+    """The first position where two id lists part (the shorter one's length when one extends the other)."""
+    return next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def _render(template, tok, messages, conv, i, *, generation_prompt):

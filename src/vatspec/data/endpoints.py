@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vatspec.data.chat import ChatTemplate, check_settings, pin_date
+from vatspec.data.chat import ChatTemplate, check_settings, first_difference, pin_date
 from vatspec.data.reasoning import reasoning_format
 from vatspec.data.records import Conversation, DataError
 from vatspec.data.regen import (
@@ -395,8 +395,7 @@ def _answer(ep: Endpoint, job: _Job, history: list[dict], tools, budget: int, ge
         if engine_prompt == prompt:
             job.prompts_same += 1
         else:
-            job.prompt_differs_at.append(next((k for k, (a, b) in enumerate(zip(engine_prompt, prompt)) if a != b),
-                                              min(len(engine_prompt), len(prompt))))
+            job.prompt_differs_at.append(first_difference(engine_prompt, prompt))
     job.dropped += dropped
     usage = resp.get("usage") or {}
     job.tokens += int(usage.get("completion_tokens") or len(ids or []))
@@ -501,7 +500,7 @@ def verify_sample(records: Sequence[dict], target, template: ChatTemplate, n: in
         if mine == list(served):
             same += 1
         else:
-            parts.append(next((k for k, (a, b) in enumerate(zip(mine, served)) if a != b), min(len(mine), len(served))))
+            parts.append(first_difference(mine, list(served)))
     return {"sampled": sampled, "identical": same, "share": same / sampled if sampled else None,
             "first_difference": parts}
 

@@ -163,15 +163,12 @@ def sequence_stats(examples, max_length: int) -> dict:
 
 
 def cache_settings(path: str) -> dict | None:
-    """The template settings a feature cache's manifest records (None: no cache, or none recorded)."""
-    import json
+    """The template settings a feature cache's manifest records (None: no cache, or one ``open_cache`` refuses)."""
+    from vatspec.features.format import FeatureCacheError, read_manifest
 
-    manifest = Path(path) / "manifest.json" if path else None
-    if manifest is None or not manifest.is_file():
-        return None
     try:
-        return json.loads(manifest.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        return read_manifest(Path(path)) if path else None
+    except FeatureCacheError:
         return None  # open_cache says what is wrong with it
 
 

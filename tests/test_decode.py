@@ -13,6 +13,7 @@ import torch
 from tests.conftest import StubTokenizer
 from vatspec.decode import GenerationResult, generate, greedy_verify, speculative_verify
 from vatspec.drafters.sampling import Proposal, warp_logits
+from vatspec.rollback import plan
 from vatspec.target import Target, open_target
 
 # A correct sampler fails one chi-square check with this probability (seeds are fixed, so a given
@@ -193,6 +194,7 @@ def test_tau_bookkeeping_and_cache_rollback():
     max_new = 1 + (5 + 1 + 3) * 2  # prefill token + two cycles of the pattern below
     ref = hf_greedy(base, prompt, max_new)
     drafter = ScriptedDrafter(target, prompt + ref, pattern=[4, 0, 2])
+    plan(target)  # the rollback probe, run once per target (vatspec.rollback), before the lengths are recorded
     target.cache_lens = []
     res = generate(target, prompt, drafter, k=k, max_new_tokens=max_new)
     assert res.tokens == ref

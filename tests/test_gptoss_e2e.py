@@ -323,7 +323,7 @@ def test_the_cache_and_the_runs_record_the_pinned_date(cache, runs, regen):
 
 def test_check_decodes_past_the_sliding_window(exports, gptoss_dir, regen, capsys):
     # the prompts trained on (single-turn); the long one's prompt and answer run past the 128-token window,
-    # so decoding crops sliding-window cache layers that have already slid (decode.keep_rollback)
+    # so decoding crops sliding-window cache layers that have already slid (vatspec.rollback)
     prompts = write_jsonl(regen.parent / "check_prompts.jsonl", [p for p in PROMPTS if p["id"] in ("l0", "s0")])
     for folder in exports.values():
         code = main(["check", str(folder), "--target", str(gptoss_dir), "--prompts", str(prompts),

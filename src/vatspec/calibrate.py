@@ -49,8 +49,9 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from vatspec.decode import Round, generate, keep_rollback
+from vatspec.decode import Round, generate
 from vatspec.machine import OtherLoad
+from vatspec.rollback import Rollback
 
 
 @dataclass(frozen=True)
@@ -215,17 +216,19 @@ def measure_round_timings(target, drafter, prompt_ids: Sequence[int], k_max: int
     ids = torch.as_tensor(list(prompt_ids), dtype=torch.long, device=device)[None]
     layer_ids = list(drafter.target_layer_ids)
     tout = target(ids, layer_ids=layer_ids, logits=False, use_cache=True)
-    cache = keep_rollback(tout.past_key_values)
+    cache = tout.past_key_values
+    undo = Rollback(target, cache, most_fed=k_max + 1)
     session = drafter.new_session()
     session.extend(tout.features[0], torch.cat([ids[0, 1:], ids[0, -1:]]))
     feat1, tok1 = tout.features[0, -1:], ids[0, -1:]
 
     def verify(n: int, capture: bool):
         def run():
-            out = target(ids[:, -1:].expand(1, n), layer_ids=layer_ids if capture else [], past_key_values=cache,
-                         use_cache=True)
+            x = ids[:, -1:].expand(1, n)
+            undo.before()
+            out = target(x, layer_ids=layer_ids if capture else [], past_key_values=cache, use_cache=True)
             out.logits[0].argmax(-1).tolist()  # the host sync the decode loop makes to read acceptance
-            cache.crop(-n)
+            undo.drop(x, n)
         return run
 
     def draft(k: int):

@@ -6,7 +6,7 @@ One loop, in the shape of gpt-fast's ``speculative_decode`` and DFlash's ``dflas
     repeat:   draft   session.extend(new features, new tokens); session.propose(k)  -> d_1..d_k', k' <= k
               verify  target([pending, d_1..d_k'])  in one pass, on the cache
               commit  accepted drafts + one target token (the correction, or the bonus)
-              crop    the target cache back to the committed length
+              crop    the target cache back to the committed length (``vatspec.rollback``: any cache)
 
 ``drafter=None`` is the autoregressive baseline on the same code path: a round drafts nothing and
 verifies only the pending token, so a speedup compares like with like.
@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from vatspec.drafters.sampling import Proposal, warp_logits
+from vatspec.rollback import Rollback
 
 __all__ = [
     "GenerationResult",
@@ -161,15 +162,6 @@ def speculative_verify(
 
 
 # --------------------------------------------------------------------------- the loop
-def keep_rollback(cache):
-    """``cache`` able to ``crop`` the rejected drafts away: a sliding-window layer (gpt-oss, Gemma-3) keeps only
-    its window, and once it has slid a crop cannot roll it back unless it records the states it dropped
-    (transformers' ``activate_past_recording``; a crop then trims it to the window again)."""
-    if hasattr(cache, "activate_past_recording"):
-        cache.activate_past_recording()
-    return cache
-
-
 @torch.inference_mode()
 def generate(
     target,
@@ -185,6 +177,7 @@ def generate(
     head=None,
     exit_threshold: float | None = None,
     generator: torch.Generator | None = None,
+    rollback: str | None = None,
 ) -> GenerationResult:
     """Decode up to ``max_new_tokens`` after ``prompt_ids`` ([T] or [1, T]); batch size 1. One function: the
     round (draft, verify, accept, roll the caches back) is the timed unit, its state and timers shared.
@@ -194,7 +187,8 @@ def generate(
     steps as it was trained for); the drafter may return fewer
     (early exit with ``head`` / ``exit_threshold``). Stops after an EOS (``target.eos_token_ids``,
     kept in the output) or after exactly ``max_new_tokens`` tokens: the last rounds draft fewer
-    tokens so no round commits past the limit.
+    tokens so no round commits past the limit. ``rollback`` forces how the target's cache drops rejected drafts
+    (``vatspec.rollback``: crop, record or replay; default what the cache can do, cheapest first).
     """
     device = target.device
     ids = torch.as_tensor(prompt_ids, dtype=torch.long, device=device)
@@ -230,7 +224,8 @@ def generate(
     t_start = time.perf_counter()
     # 1. prefill: the prompt's KV cache and layer features; the first new token from the last position
     tout = target(ids[None], layer_ids=layer_ids, logits=False, use_cache=True)
-    cache = keep_rollback(tout.past_key_values)
+    cache = tout.past_key_values
+    undo = Rollback(target, cache, most_fed=k + 1, mode=rollback)
     out[:1] = next_token(target.logits(tout.hidden[0, -1:]))
     n = 1  # new tokens so far; out[n-1] is the pending token (committed, not yet run by the target)
     session = None
@@ -280,6 +275,7 @@ def generate(
         x = block[:, : drafted + 1]
         x[0, 0] = out[n - 1]
         x[0, 1:] = draft
+        undo.before()
         tout = target(x, layer_ids=layer_ids, past_key_values=cache, use_cache=True)
         logits = tout.logits[0]  # [k'+1, V]
         if sampling:
@@ -296,9 +292,8 @@ def generate(
             stop = "eos"
         out[n : n + c] = new[:c]
 
-        # 5. crop the cache to the committed positions: prompt + committed tokens except the new pending one
-        if drafted > a:
-            cache.crop(-(drafted - a))  # a negative count removes that many positions (old and new HF API)
+        # 5. take the cache back to the committed positions: prompt + committed tokens except the new pending one
+        undo.drop(x, drafted - a)
         if session is not None:
             # positions n-1 .. n-1+a are now committed: their features, and the tokens that follow them
             new_features, new_tokens = tout.features[0, : a + 1], out[n : n + a + 1]

@@ -667,3 +667,36 @@ def test_served_files_take_the_users_file_mode(target, tmp_path):
     files = [p for p in list(out.rglob("*")) + list(ck.rglob("*")) if p.is_file()]
     assert any(p.suffix == ".safetensors" for p in files)
     assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in files} == {p.name: 0o644 for p in files}
+
+
+def test_a_gemma3_draft_is_built_with_silu_and_exports(tmp_path):
+    """Gemma 3's MLP runs gelu_pytorch_tanh; the engines' draft layers run SiLU only. Both drafts are built with
+    SiLU (said once, naming the target's activation), so a Gemma-3 draft trains and exports; a checkpoint saved
+    with GELU (before) still loads for inference, and its export is refused in one line."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    from vatspec.drafters import drafter_from_dict
+
+    torch.manual_seed(0)
+    gemma = Target(Gemma3ForCausalLM(Gemma3TextConfig(
+        vocab_size=V, hidden_size=H, intermediate_size=2 * H, num_hidden_layers=L, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, sliding_window=8)).eval(), StubTokenizer())
+    assert gemma.config.hidden_activation == "gelu_pytorch_tanh"
+    with pytest.warns(UserWarning, match="'gelu_pytorch_tanh'; the EAGLE-3 draft is built with 'silu'"):
+        d = Eagle3Drafter.from_target(gemma, draft_vocab_size=VD, ttt_steps=k)
+    with pytest.warns(UserWarning, match="'gelu_pytorch_tanh'; the DFlash draft is built with 'silu'"):
+        dc = DFlashConfig.from_target(gemma, num_layers=1, block_size=BLOCK, mask_token_id=5)
+    x = torch.randn(5)
+    assert d.config.hidden_act == "silu" and torch.equal(d.midlayer.mlp.act(x), torch.nn.functional.silu(x))
+    assert torch.equal(DFlashDrafter(dc).layers[0].mlp.act(x), torch.nn.functional.silu(x))
+    cfg, _ = read_export(export_draft(d, gemma, tmp_path / "served", fmt="eagle3-hf"))
+    assert cfg["hidden_act"] == "silu"
+
+    old = drafter_from_dict("eagle3", {**d.config.to_dict(), "hidden_act": "gelu_pytorch_tanh"}, gemma)
+    old.load_state_dict(d.state_dict())
+    s = old.new_session()  # an older GELU draft still drafts
+    ids = torch.randint(3, V, (10,))
+    s.extend(gemma(ids[None], layer_ids=old.target_layer_ids, logits=False).features[0][:9], ids[1:10])
+    assert s.propose(3).tokens.shape == (3,)
+    with pytest.raises(ExportError, match=r"SiLU only; this draft was trained with hidden_act='gelu_pytorch_tanh'"):
+        export_draft(old, gemma, tmp_path / "old", fmt="eagle3-hf")

@@ -52,7 +52,7 @@ from vatspec.drafters.dflash_config import (
     pick_mask_token,
 )
 from vatspec.drafters.dflash_session import DFlashSession
-from vatspec.drafters.layers import MLP, RMSNorm, apply_rope, rope_cos_sin, rope_init
+from vatspec.drafters.layers import DRAFT_ACT, MLP, RMSNorm, apply_rope, rope_cos_sin, rope_init
 from vatspec.target import Target, TargetOutput
 
 
@@ -108,7 +108,7 @@ class DFlashDecoderLayer(nn.Module):
     def __init__(self, c: DFlashConfig):
         super().__init__()
         self.self_attn = DFlashAttention(c)
-        self.mlp = MLP(c.hidden_size, c.intermediate_size)
+        self.mlp = MLP(c.hidden_size, c.intermediate_size, DRAFT_ACT)  # z-lab's and the engines' Qwen3 layer: SiLU
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vatspec.drafters.base import SavedConfig, distinct_layers
-from vatspec.drafters.layers import rope_parameters
+from vatspec.drafters.layers import draft_activation, rope_parameters
 from vatspec.target import Target
 
 MASK_TOKEN_STRING = "<|MASK|>"  # what the reference trainer adds to a tokenizer without a mask token
@@ -150,6 +150,7 @@ class DFlashConfig(SavedConfig):
             exclude = target.eos_token_ids if target.tokenizer is not None else []
             mask = pick_mask_token(target.tokenizer, V, exclude=exclude)
         theta, scaling = rope_parameters(tc)
+        draft_activation(tc, "DFlash")  # the layers' MLP is SiLU (DFlashDecoderLayer): says so if the target's is not
         heads = tc.num_attention_heads
         kw: dict[str, Any] = dict(
             target_layer_ids=tuple(ids),

@@ -49,6 +49,7 @@ from vatspec.drafters.layers import (
     RMSNorm,
     apply_rope,
     attention,
+    draft_activation,
     rope_cos_sin,
     rope_inv_freq,
     rope_parameters,
@@ -109,7 +110,7 @@ class Eagle3Config(SavedConfig):
     target_layer_ids: tuple[int, ...]  # our convention: output of decoder layer i
     ttt_steps: int = DEFAULT_TTT_STEPS  # the reference trainers' name; everything downstream reads ``k``
     max_position_embeddings: int = 2048
-    hidden_act: str = "silu"
+    hidden_act: str = "silu"  # ``from_target`` builds SiLU; another loads (an older checkpoint) but is not exported
     rope_scaling: dict | None = field(default=None, hash=False)  # {"rope_type": "linear"|"llama3", ...}
 
     def __post_init__(self):
@@ -142,7 +143,9 @@ class Eagle3Config(SavedConfig):
         target_layer_ids: Sequence[int] | None = None,
     ) -> Eagle3Config:
         """Reference shapes for ``target``: draft width = target width, the target's attention
-        geometry, MLP size, norm eps, activation and RoPE; draft vocabulary capped by the target's."""
+        geometry, MLP size, norm eps and RoPE (``rope_from_config``); draft vocabulary capped by the
+        target's. The MLP runs SiLU whatever the target's does (``draft_activation``): the engines'
+        EAGLE-3 layer runs nothing else."""
         cfg = target.config
         ids = (tuple(target_layer_ids) if target_layer_ids is not None
                else default_layer_ids(target.num_layers, distinct=True))
@@ -151,7 +154,6 @@ class Eagle3Config(SavedConfig):
         nh = int(cfg.num_attention_heads)
         nkv = int(getattr(cfg, "num_key_value_heads", None) or nh)
         theta, scaling = rope_from_config(cfg)
-        act = getattr(cfg, "hidden_act", None) or getattr(cfg, "hidden_activation", None) or "silu"
         return cls(
             hidden_size=H,
             target_hidden_size=H,
@@ -166,7 +168,7 @@ class Eagle3Config(SavedConfig):
             target_layer_ids=ids,
             ttt_steps=int(ttt_steps),
             max_position_embeddings=int(getattr(cfg, "max_position_embeddings", None) or 2048),
-            hidden_act=str(act),
+            hidden_act=draft_activation(cfg, "EAGLE-3"),
             rope_scaling=scaling,
         )
 

@@ -14,6 +14,7 @@ RoPE, in three steps (``rope_parameters`` also reads a ``config.json`` dict, for
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -31,6 +32,21 @@ ROPE_TYPES = ("default", "linear", "llama3")  # what rope_inv_freq computes itse
 
 
 # ----------------------------------------------------------------------------- MLP
+DRAFT_ACT = "silu"  # the only MLP activation of the engines' draft layers (EAGLE-3: a Llama layer; DFlash: Qwen3's)
+
+
+def draft_activation(target_config: Any, drafter: str) -> str:
+    """``DRAFT_ACT``, the activation every draft is built with, whatever the target's MLP runs: the draft is
+    its own model, and the engines serve its layer with SiLU only. Warns once when the target's differs
+    (Gemma's ``gelu_pytorch_tanh``, Nemotron-H's ``relu2``), naming it, as the build is where this is decided."""
+    act = next((getattr(target_config, key) for key in ("hidden_act", "hidden_activation", "mlp_hidden_act")
+                if isinstance(getattr(target_config, key, None), str)), DRAFT_ACT)
+    if act not in (DRAFT_ACT, "swish"):  # transformers' two names for SiLU
+        warnings.warn(f"the target's MLP runs {act!r}; the {drafter} draft is built with {DRAFT_ACT!r}, the only "
+                      "activation the engines' draft layers run", stacklevel=3)
+    return DRAFT_ACT
+
+
 class MLP(nn.Module):
     """Gated MLP, ``down_proj(act(gate_proj(x)) * up_proj(x))`` without biases (SwiGLU for silu)."""
 
@@ -138,10 +154,12 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 __all__ = [
+    "DRAFT_ACT",
     "MLP",
     "ROPE_TYPES",
     "RMSNorm",
     "apply_rope",
+    "draft_activation",
     "rope_cos_sin",
     "rope_init",
     "rope_inv_freq",

@@ -185,7 +185,9 @@ def _check_exportable(drafter) -> None:
             raise ExportError(f"EAGLE-3 engines read exactly 3 target layers (fc: 3 * target_hidden_size); "
                               f"this draft uses {list(c.target_layer_ids)}")
         if c.hidden_act != "silu":
-            raise ExportError(f"the engines' EAGLE-3 MLP is SiLU only; this draft uses hidden_act={c.hidden_act!r}")
+            raise ExportError(f"the engines' EAGLE-3 MLP is SiLU only; this draft was trained with hidden_act="
+                              f"{c.hidden_act!r} (built before drafts were given SiLU whatever the target runs): "
+                              "retrain it to serve it")
 
 
 def served_mask_id(drafter, mask_token_id: int | None) -> int:

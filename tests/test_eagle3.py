@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -20,8 +21,8 @@ from vatspec.drafters.eagle3 import (
     Eagle3Session,
     default_layer_ids,
     rope_from_config,
-    rope_inv_freq,
 )
+from vatspec.drafters.layers import rope_inv_freq
 from vatspec.drafters.sampling import warp_logits
 from vatspec.drafters.vocab import build_draft_vocab, target_ids
 from vatspec.target import Target, TargetOutput
@@ -190,6 +191,63 @@ def test_rope_matches_transformers(scaling):
     cos, sin = Eagle3Drafter(c)._rope(pos)
     ref_cos, ref_sin = ref(torch.zeros(1, 6, 64), pos[None])
     assert torch.allclose(cos, ref_cos[0], atol=1e-6) and torch.allclose(sin, ref_sin[0], atol=1e-6)
+
+
+# YaRN targets with their published RoPE: gpt-oss (truncate false; attention factor 0.1 ln 32 + 1) and
+# DeepSeek-V3 (mscale = mscale_all_dim = 1: attention factor 1, where 0.1 ln 40 + 1 would be 1.37)
+DEEPSEEK_V3_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                    "mscale": 1.0, "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096}
+
+
+def yarn_target(family: str) -> Target:
+    from transformers import AutoModelForCausalLM, DeepseekV3Config
+
+    from tests.gptoss_target import gptoss_config
+
+    if family == "gpt-oss":
+        cfg = gptoss_config(V, layers=8)
+    else:
+        cfg = DeepseekV3Config(
+            vocab_size=V, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=8,
+            num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,
+            qk_nope_head_dim=8, v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+            first_k_dense_replace=1, max_position_embeddings=163840, rope_parameters=dict(DEEPSEEK_V3_ROPE))
+    torch.manual_seed(0)
+    return Target(AutoModelForCausalLM.from_config(cfg).eval(), tokenizer=None)
+
+
+@pytest.mark.parametrize("family", ["gpt-oss", "deepseek-v3"])
+def test_yarn_draft_rotates_as_the_target_in_training_export_and_check(family, tmp_path):
+    from vatspec.check import convention_findings
+    from vatspec.export import export_draft, import_draft
+
+    target = yarn_target(family)
+    c = Eagle3Config.from_target(target, draft_vocab_size=V, ttt_steps=2)
+    assert c.rope_scaling["rope_type"] == "yarn" and c.head_dim == target.model.model.rotary_emb.inv_freq.numel() * 2
+    d = Eagle3Drafter(c)
+    # the target's own rotary embedding (transformers' YaRN: frequencies and attention factor), far past the
+    # pretraining context too
+    pos = torch.tensor([0, 1, 5, 127, 4095, 4096, 50_000])
+    ref_cos, ref_sin = (x[0] for x in target.model.model.rotary_emb(torch.zeros(1, len(pos), c.head_dim), pos[None]))
+    if ref_cos.shape[-1] == c.head_dim // 2:  # gpt-oss returns the half table its rotation reads for both halves
+        ref_cos, ref_sin = torch.cat([ref_cos, ref_cos], -1), torch.cat([ref_sin, ref_sin], -1)
+    cos, sin = d._rope(pos)
+    want = 1 + 0.1 * math.log(32) if family == "gpt-oss" else 1.0
+    assert ref_cos[0].max().item() == pytest.approx(want, rel=1e-6)  # cos(0) = the attention factor
+    torch.testing.assert_close(cos, ref_cos, atol=1e-6, rtol=0)  # values up to 1.35 in float32
+    torch.testing.assert_close(sin, ref_sin, atol=1e-6, rtol=0)
+    # export -> config.json rope_scaling as the engines read it -> import: the same RoPE; check agrees
+    d.attach_target(target)
+    for fmt in ("eagle3-hf", "speculators"):
+        out = export_draft(d, target, tmp_path / fmt, fmt=fmt)
+        cfg = json.loads((out / "config.json").read_text())
+        lc = cfg.get("transformer_layer_config", cfg)
+        assert lc["rope_scaling"] == c.rope_scaling and lc["rope_theta"] == c.rope_theta
+        back = import_draft(out, target, k=2)
+        assert back.config.rope_scaling == c.rope_scaling
+        assert all(torch.equal(a, b) for a, b in zip(back._rope(pos), d._rope(pos)))
+        rope = next(f for f in convention_findings(out, target)[1] if f.what == "rope")
+        assert rope.ok and "= the target's" in rope.detail, rope.detail
 
 
 # ----------------------------------------------------------------------------- training unroll

@@ -333,8 +333,8 @@ def test_check_decodes_past_the_sliding_window(exports, gptoss_dir, regen, capsy
                     if line[:6] in ("  ok  ", "  FAIL")}
         assert "served: 2 held-out prompts" in out and "of the accepted drafts" in out, out  # decoded, compared
         assert "ok    template date          " in out, out  # the day regenerate pinned, adopted from the draft
-        # every convention passes, RoPE included: DFlash rotates like the target (YaRN), EAGLE-3 as it trains and is
-        # served (plain RoPE at the target's theta: drafters/eagle3.py rope_from_config implements no YaRN)
+        # every convention passes, RoPE included: both drafts rotate like the target (YaRN with gpt-oss' parameters),
+        # as they train and are served (drafters/eagle3.py rope_from_config carries YaRN into the EAGLE-3 draft)
         assert code == 0 and "verdict: OK" in out, out
         assert all(ok == "ok" for ok in findings.values()), out
 

@@ -104,7 +104,8 @@ def convention_findings(folder: Path, target) -> tuple[str | None, list[Finding]
     out.append(Finding(not bad, "sizes", "; ".join(bad) if bad else "vocab, hidden and layer counts match the target"))
 
     # 3. RoPE: the draft layer must rotate as it trained: DFlash like the target; EAGLE-3 (its own model) like the
-    # target where its scaling is implemented, else plain at the target's theta (YaRN: gpt-oss), as it trains
+    # target where the engines serve its scaling as transformers computes it (linear, llama3, yarn), else plain at
+    # the target's theta (dynamic, longrope), as it trains
     theta, scaling = rope_parameters(lc)
     if fmt == "dflash":
         t_theta, t_scaling = rope_parameters(target.config)

@@ -45,18 +45,24 @@ from vatspec.drafters.base import AcceptHead, DraftOutput, Linear, SavedConfig, 
 from vatspec.drafters.eagle3_session import Eagle3Session
 from vatspec.drafters.layers import (
     MLP,
-    ROPE_TYPES,
     RMSNorm,
     apply_rope,
     attention,
     draft_activation,
     rope_cos_sin,
-    rope_inv_freq,
+    rope_init,
     rope_parameters,
 )
 from vatspec.drafters.vocab import check_draft_vocab
 
-_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+# RoPE scalings the draft carries from its target: those the engines' Llama layer (vLLM and SGLang ``get_rope``)
+# computes for the draft's config.json as transformers does. Not ``dynamic`` (vLLM and SGLang rotate with one base
+# for the whole context, transformers rescales it with the sequence length) nor ``longrope`` (a table switched by
+# sequence length): with those the draft trains and is served with plain RoPE at the target's theta.
+DRAFT_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# the keys of those types transformers' initialisers read (``modeling_rope_utils``); others are not carried
+_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings",
+              "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate")
 
 
 # ----------------------------------------------------------------------------- config
@@ -76,17 +82,19 @@ def default_layer_ids(num_layers: int, *, distinct: bool = False) -> tuple[int, 
 def rope_from_config(cfg) -> tuple[float, dict | None]:
     """``(rope_theta, rope_scaling | None)`` of the draft for a HF target config (``rope_parameters``).
 
-    Keeps the scaling types ``rope_inv_freq`` implements (linear, llama3) and their keys; others
-    are dropped with a warning, so the draft trains and is exported with plain RoPE (it is its own
+    Keeps the scaling types of ``DRAFT_ROPE_TYPES`` (linear, llama3, yarn: gpt-oss, DeepSeek-V3, Qwen3 long
+    context) and their keys, so the draft rotates as its target in training, in its export and in ``check``;
+    others are dropped with a warning, and the draft trains and is exported with plain RoPE (it is its own
     model: it only has to agree with its served config, not with the target's RoPE).
     """
     theta, scaling = rope_parameters(cfg)
     if scaling is None:
         return theta, None
     rope_type = scaling["rope_type"]
-    if rope_type not in ROPE_TYPES:
+    if rope_type not in DRAFT_ROPE_TYPES:
         warnings.warn(
-            f"target RoPE scaling {rope_type!r} is not implemented for the EAGLE-3 draft; using plain RoPE",
+            f"target RoPE scaling {rope_type!r} is not one the engines serve an EAGLE-3 draft with as transformers "
+            f"computes it ({', '.join(DRAFT_ROPE_TYPES[1:])}); the draft uses plain RoPE",
             stacklevel=2,
         )
         return theta, None
@@ -111,7 +119,7 @@ class Eagle3Config(SavedConfig):
     ttt_steps: int = DEFAULT_TTT_STEPS  # the reference trainers' name; everything downstream reads ``k``
     max_position_embeddings: int = 2048
     hidden_act: str = "silu"  # ``from_target`` builds SiLU; another loads (an older checkpoint) but is not exported
-    rope_scaling: dict | None = field(default=None, hash=False)  # {"rope_type": "linear"|"llama3", ...}
+    rope_scaling: dict | None = field(default=None, hash=False)  # {"rope_type": "linear"|"llama3"|"yarn", ...}
 
     def __post_init__(self):
         object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
@@ -129,8 +137,8 @@ class Eagle3Config(SavedConfig):
         if self.hidden_act not in ACT2FN:
             problems.append(f"hidden_act={self.hidden_act!r} is not a known activation")
         rt = (self.rope_scaling or {}).get("rope_type", "default")
-        if rt not in ROPE_TYPES:
-            problems.append(f"rope_scaling.rope_type={rt!r} is not one of {ROPE_TYPES}")
+        if rt not in DRAFT_ROPE_TYPES:
+            problems.append(f"rope_scaling.rope_type={rt!r} is not one of {DRAFT_ROPE_TYPES}")
         if problems:
             raise ValueError("Eagle3Config: " + "; ".join(problems))
 
@@ -267,8 +275,10 @@ class Eagle3Drafter(nn.Module):
         t2d = torch.zeros(c.vocab_size, dtype=torch.bool)
         t2d[: c.draft_vocab_size] = True
         self.register_buffer("t2d", t2d)
-        # Kept out of buffers so .to(bfloat16) never rounds the frequencies.
-        self._inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
+        # transformers' own initialisers: the frequencies and the factor cos / sin are scaled by (YaRN's
+        # attention factor; 1 otherwise). Kept out of buffers so .to(bfloat16) never rounds the frequencies.
+        self._inv_freq, self._rope_scale = rope_init(c.head_dim, c.rope_theta, c.rope_scaling,
+                                                     c.max_position_embeddings)
         self._inv_freq_by_device: dict[torch.device, Tensor] = {}
         object.__setattr__(self, "_embed", None)  # the target's embedding: a reference, not a submodule
         object.__setattr__(self, "_target_head", None)  # the target's hidden -> logits, a reference too
@@ -341,7 +351,7 @@ class Eagle3Drafter(nn.Module):
             inv = self._inv_freq_by_device[dev] = self._inv_freq.to(dev)
         cos, sin = rope_cos_sin(positions, inv)  # [T, hd] float32
         dt = self.fc.weight.dtype
-        return cos.to(dt), sin.to(dt)
+        return (cos * self._rope_scale).to(dt), (sin * self._rope_scale).to(dt)
 
     # --------------------------------------------------------------- training
     def forward(self, batch, tout, *, with_logits: bool = True) -> DraftOutput:

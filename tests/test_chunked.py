@@ -185,6 +185,21 @@ def test_training_step_equals_unchunked(target, kind, overrides, target_logits):
         torch.testing.assert_close(grads[name], g, rtol=RTOL32, atol=RTOL32 * g.abs().max().item(), msg=name)
 
 
+@pytest.mark.parametrize("target_logits", [False, True], ids=["from-hidden", "from-logits"])
+def test_dflash_step_equals_unchunked_on_a_scaled_and_capped_head(target, target_logits):
+    """DFlash drafts through the target's head: the chunked path applies what the target's forward does after it
+    (``logit_transform``: a Falcon-H1 / Cohere / Granite scale, a Gemma soft cap) as ``Target.logits`` does."""
+    scaled = Target(tiny_llama(vocab_size=V, layers=8, seed=0), tokenizer=None)
+    scaled.logit_scale, scaled.logit_softcap = 4.0, 0.5  # both far from a no-op on these logits
+    ref, ref_grads = _step(scaled, "dflash", ["loss.kind=vat"], chunk=0)
+    res, grads = _step(scaled, "dflash", ["loss.kind=vat"], chunk=7, target_logits=target_logits)
+    torch.testing.assert_close(res.loss, ref.loss, rtol=RTOL32, atol=ATOL_LOSS)
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(grads[name], g, rtol=RTOL32, atol=RTOL32 * g.abs().max().item(), msg=name)
+    plain, _ = _step(target, "dflash", ["loss.kind=vat"], chunk=7, target_logits=target_logits)  # the same weights
+    assert not torch.allclose(plain.loss, ref.loss, rtol=1e-3)  # unscaled: another loss, so the scale is exercised
+
+
 def test_lockstep_arms_share_their_teacher_and_train_the_same(target, monkeypatch):
     """The four demo arms on one batch, as ``arms_micro_step`` runs them: with a shared teacher the
     target side is computed twice (once per drafter kind) instead of four times, three times when

@@ -359,6 +359,8 @@ def chunked_pass(
     else:
         on_chunk = None
     hidden = out.hidden.reshape(-1, H)[pos]  # [N', H]
+    if out.logit_scale != 1.0:  # (h @ W^T) * s = (h * s) @ W^T: a bias-free head's scale, on the few rows read
+        hidden = hidden * out.logit_scale
     soft, hard, alpha, argmax = chunked_token_ce(
         hidden, out.lm_head, p, inv if p is not None else None, labels.reshape(-1)[pos] if cfg.hard else None,
         chunk_size=C, softcap=out.softcap, on_chunk=on_chunk, alpha=cfg.uses_alpha,

@@ -24,6 +24,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from safetensors import safe_open
@@ -117,6 +118,38 @@ def open_target(
     return Target.from_pretrained(folder, dtype=dt, device=dev, device_map=device_map, heads_only=heads_only)
 
 
+class LogitRule(NamedTuple):
+    """How a family's forward turns ``lm_head(hidden)`` into its logits: ``softcap(x * scale)``, the config
+    fields named here; a field the config leaves unset (None) does nothing."""
+
+    scale: str | None = None  # the field the logits are multiplied by
+    divide: bool = False  # divided by, instead
+    softcap: str = "final_logit_softcapping"  # then ``c * tanh(x / c)``, c this field
+
+
+# Every transform a ``*ForCausalLM.forward`` of transformers (5.25) applies after its lm_head, by the text config's
+# model_type; any other family: ``LogitRule()`` (Gemma 2/3/3n/4, VaultGemma, NanoChat soft-cap). By family, not by
+# field: one name means two things (Granite divides by logits_scaling, HyperCLOVAX multiplies).
+LOGIT_RULES: dict[str, LogitRule] = {
+    "falcon_h1": LogitRule("lm_head_multiplier"),
+    **dict.fromkeys(("cohere", "cohere2", "cohere2_moe", "cohere_compass_text"), LogitRule("logit_scale")),
+    **dict.fromkeys(("granite", "granite_swa", "granitemoe", "granitemoe_swa", "granitemoehybrid", "granitemoeshared",
+                     "minicpm3"), LogitRule("logits_scaling", divide=True)),  # MiniCPM3 divides the hidden state
+    "hyperclovax": LogitRule("logits_scaling"),
+    "recurrent_gemma": LogitRule(softcap="logits_soft_cap"),
+    "xlstm": LogitRule(softcap="output_logit_soft_cap"),
+}
+
+
+def logit_transform(config) -> tuple[float, float | None]:
+    """``(scale, softcap | None)``: the model of ``config`` (its text config) computes its logits as
+    ``softcap(lm_head(hidden) * scale)`` (``LOGIT_RULES``)."""
+    rule = LOGIT_RULES.get(getattr(config, "model_type", None), LogitRule())
+    value = getattr(config, rule.scale, None) if rule.scale else None
+    scale = 1.0 if value is None else (1.0 / float(value) if rule.divide else float(value))
+    return scale, float(getattr(config, rule.softcap, None) or 0) or None
+
+
 @dataclass
 class TargetOutput:
     """What one target forward pass returns.
@@ -167,6 +200,7 @@ class Target:
         self.num_layers: int = text_cfg.num_hidden_layers
         self.hidden_size: int = text_cfg.hidden_size
         self.vocab_size: int = model.get_output_embeddings().weight.shape[0]
+        self.logit_scale, self.logit_softcap = logit_transform(text_cfg)  # what the forward does after the lm_head
         self._layers = _decoder_layers(model)
         # the decode option: the target's linears take the few-row kernel (``skinny_linear``) chosen here;
         # a drafter's are its own SkinnyLinear layers (``drafters.base.Linear``, kernel "auto")
@@ -345,17 +379,17 @@ class Target:
     __call__ = forward
 
     def logits(self, hidden: Tensor) -> Tensor:
-        """Target logits (float32) from final-normed hidden states ``[..., H] -> [..., V]``.
-
-        Applies the model's final logit soft-capping where the architecture has one (Gemma).
-        """
+        """Target logits (float32) from final-normed hidden states ``[..., H] -> [..., V]``: the model's own,
+        with what its forward does after the lm_head (``logit_transform``: Falcon-H1's and Cohere's multipliers,
+        Granite's divisor, Gemma's soft-capping)."""
         w = self.lm_head.weight  # on the last device of a device_map: the logits come back to hidden's
         if torch.is_autocast_enabled(w.device.type):  # a training step's teacher: cast the frozen head once
             w = frozen_cast(w, torch.get_autocast_dtype(w.device.type))
         lg = skinny_linear(hidden.to(w.device), w, self.lm_head.bias, self.few_row_kernel).float().to(hidden.device)
-        cap = getattr(self.config, "final_logit_softcapping", None)
-        if cap:
-            lg = torch.tanh(lg / cap) * cap
+        if self.logit_scale != 1.0:
+            lg = lg * self.logit_scale
+        if self.logit_softcap:
+            lg = torch.tanh(lg / self.logit_softcap) * self.logit_softcap
         return lg
 
 

@@ -33,8 +33,8 @@ class DraftOutput:
                    ``target_index[..., j]``; with ``target_head`` too: rows [P, H_t] of the target's
                    final hidden state, which ``target_head`` turns into logits [P, V].
     valid:         [..., k] bool, True where the position exists and is supervised; a prefix mask along k.
-    lm_head:       [Vd, H] weight with ``logits = hidden @ lm_head^T`` (float32, then soft-capped by
-                   ``softcap`` if set); given when ``logits`` is None.
+    lm_head:       [Vd, H] weight with ``logits = (hidden @ lm_head^T) * logit_scale`` (float32, then
+                   soft-capped by ``softcap`` if set); given when ``logits`` is None.
     target_index:  [..., k] long, see ``target_logits``; None when that is per position already.
     target_head:   ``Target.logits`` (hidden [n, H_t] -> logits [n, V] float32) when the target was run
                    without logits; see ``target_logits``. ``vocab_size`` is then the head's V.
@@ -46,6 +46,7 @@ class DraftOutput:
     valid: Tensor
     lm_head: Tensor | None = None
     softcap: float | None = None
+    logit_scale: float = 1.0
     target_index: Tensor | None = None
     target_head: Callable[[Tensor], Tensor] | None = None
     target_vocab_size: int | None = None

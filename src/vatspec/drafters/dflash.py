@@ -280,10 +280,11 @@ class DFlashDrafter(nn.Module):
         hidden state after the final norm (the accept head's input), target_logits ``[B, A, k, V]``
         (the target's logits at anchor + j - 1, i.e. predicting the token at anchor + j), valid
         ``[B, A, k]``. ``with_logits=False`` (the chunked loss path, ``vatspec.chunked``): no logits and
-        no gathered target logits; ``lm_head`` is the target's lm_head weight (``softcap`` its final
-        logit soft-capping), ``target_logits`` the target's rows ``tout.logits`` ([N, V], or [B, T, V]
-        as [B*T, V]; or, run without logits, ``tout.hidden`` as [B*T, H] with ``target_head`` = the
-        target's ``logits``) and ``target_index [B, A, k]`` the row each position reads.
+        no gathered target logits; ``lm_head`` is the target's lm_head weight (``logit_scale`` and
+        ``softcap`` what its forward does after it: ``vatspec.target.logit_transform``), ``target_logits``
+        the target's rows ``tout.logits`` ([N, V], or [B, T, V] as [B*T, V]; or, run without logits,
+        ``tout.hidden`` as [B*T, H] with ``target_head`` = the target's ``logits``) and ``target_index
+        [B, A, k]`` the row each position reads.
         """
         input_ids, attn, _ = _batch_tensors(batch)
         B, T = input_ids.shape
@@ -337,7 +338,7 @@ class DFlashDrafter(nn.Module):
                 raise ValueError("the chunked loss path needs a bias-free target lm_head; set loss.chunk_size=0")
             return DraftOutput(
                 logits=None, hidden=hidden, target_logits=table, valid=valid, lm_head=head.weight,
-                softcap=getattr(self.target.config, "final_logit_softcapping", None) or None, target_index=index,
+                softcap=self.target.logit_softcap, logit_scale=self.target.logit_scale, target_index=index,
                 target_head=None if tout.logits is not None else self.target.logits,
                 target_vocab_size=self.config.vocab_size,
             )

@@ -1,13 +1,16 @@
 """Targets of the families teams train drafts for, built by transformers from its own config classes (tiny random
-weights, nothing downloaded): ``Target.logits`` is the model's own.
+weights, nothing downloaded): ``Target.logits`` is the model's own, and the folders their checkpoints ship as
+(Nemotron-H's ``backbone.*`` names) open as targets, heads-only and on the meta device.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
-from vatspec.target import Target
+from vatspec.target import Target, TargetError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -51,3 +54,61 @@ def test_logits_are_the_models_own(family):
     ids = torch.randint(0, V, (2, 7))
     out = t(ids)
     torch.testing.assert_close(t.logits(out.hidden), model(input_ids=ids).logits.float(), atol=LOGITS_ATOL, rtol=0)
+
+
+# ----------------------------------------------------------------------------- Nemotron-H: backbone.* keys
+def save_with_tokenizer(model, folder, tokenizer_dir) -> None:
+    from transformers import AutoTokenizer
+
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(folder)
+
+
+@pytest.fixture(scope="module")
+def nemotron_h_dir(tmp_path_factory, default_target_path):
+    from transformers import AutoModelForCausalLM, NemotronHConfig
+
+    cfg = NemotronHConfig(
+        vocab_size=V, hidden_size=32, layers_block_type=["mamba", "attention", "mlp", "moe"], num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, intermediate_size=64, mamba_num_heads=4, mamba_head_dim=16,
+        ssm_state_size=8, n_groups=1, chunk_size=8, n_routed_experts=2, num_experts_per_tok=1,
+        moe_intermediate_size=16, moe_shared_expert_intermediate_size=16)
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("nemotron_h")
+    save_with_tokenizer(AutoModelForCausalLM.from_config(cfg), folder, default_target_path)
+    return folder
+
+
+def test_nemotron_h_heads_and_embedding_are_found_under_the_checkpoints_names(nemotron_h_dir, monkeypatch, tmp_path):
+    """A Nemotron-H checkpoint names its modules ``backbone.*`` (as save_pretrained writes them back), the model
+    ``model.*``: cached training (heads only) and an export (meta device) read them through transformers' renaming,
+    else by leaf name and shape; a folder without the embedding fails in one line."""
+    with safe_open(str(nemotron_h_dir / "model.safetensors"), framework="pt") as f:
+        assert "backbone.embeddings.weight" in f.keys()  # noqa: SIM118 (a safetensors handle, not a dict)
+    full = Target.from_pretrained(nemotron_h_dir)
+    emb, head = full.embed_tokens.weight, full.lm_head.weight
+    assert full.model.get_input_embeddings() is full.model.model.embeddings
+
+    def heads_only_and_meta():
+        ho = Target.from_pretrained(nemotron_h_dir, heads_only=True)
+        assert torch.equal(ho.embed_tokens.weight, emb) and torch.equal(ho.lm_head.weight, head)
+        h = torch.randn(3, 32)
+        assert torch.equal(ho.logits(h), full.logits(h))
+        assert torch.equal(Target.from_pretrained(nemotron_h_dir, device="meta").input_embedding(), emb)
+
+    heads_only_and_meta()
+    monkeypatch.setattr("vatspec.target._renamed_by_transformers", lambda model, keys: {})
+    heads_only_and_meta()  # without transformers' renaming: the one key ending in embeddings.weight of [V, H]
+    monkeypatch.undo()
+
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for p in nemotron_h_dir.iterdir():
+        (broken / p.name).write_bytes(p.read_bytes())
+    w = load_file(broken / "model.safetensors")
+    w["backbone.embeddings.other"] = w.pop("backbone.embeddings.weight")
+    save_file(w, broken / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(TargetError, match=r"no safetensors file holds \['model.embeddings.weight'\]"):
+        Target.from_pretrained(broken, heads_only=True)
+    with pytest.raises(TargetError, match="no safetensors file holds the input embedding 'model.embeddings.weight'"):
+        Target.from_pretrained(broken, device="meta").input_embedding()

@@ -299,12 +299,11 @@ class Target:
             return w.detach().cpu()
         name = next(n for n, p in self.model.named_parameters(remove_duplicate=False) if p is w)
         folder = Path(self.path) if self.path else None
-        files = sorted(folder.glob("*.safetensors")) if folder is not None and folder.is_dir() else []
-        for file in files:
-            with safe_open(str(file), framework="pt") as f:
-                if name in f.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
-                    return f.get_tensor(name)
-        raise TargetError(f"{folder}: no safetensors file holds the input embedding {name!r}")
+        found = read_checkpoint_tensors(self.model, folder, [name]) if folder is not None and folder.is_dir() else {}
+        if name not in found:
+            raise TargetError(f"{folder}: no safetensors file holds the input embedding {name!r} "
+                              "(under that name, transformers' renaming of it, or its leaf name and shape)")
+        return found[name]
 
     @property
     def lm_head(self) -> torch.nn.Module:
@@ -407,19 +406,78 @@ def _heads_only_model(config, folder: Path, dtype: torch.dtype, device: torch.de
     module_names = {id(m): n for n, m in model.named_modules()}
     emb_name, head_name = f"{module_names[id(emb)]}.weight", f"{module_names[id(head)]}.weight"
     wanted = {emb_name, head_name}
-    for file in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
-            for name in wanted & set(f.keys()):  # noqa: SIM118 (a safetensors handle, not a dict)
-                set_module_tensor_to_device(model, name, device, value=f.get_tensor(name).to(dtype))
-                wanted.discard(name)
+    for name, tensor in read_checkpoint_tensors(model, folder, sorted(wanted)).items():
+        set_module_tensor_to_device(model, name, device, value=tensor.to(dtype))
+        wanted.discard(name)
     if head_name in wanted and getattr(model.config, "tie_word_embeddings", False):
         head.weight = emb.weight  # tied: the lm_head is the embedding, stored once
         wanted.discard(head_name)
     if wanted:
-        raise TargetError(f"{folder}: no safetensors file holds {sorted(wanted)}")
+        raise TargetError(f"{folder}: no safetensors file holds {sorted(wanted)} (under that name, transformers' "
+                          "renaming of it, or its leaf name and shape)")
     for name, buf in list(model.named_buffers()):
         set_module_tensor_to_device(model, name, device, value=buf)
     return model
+
+
+def read_checkpoint_tensors(model, folder: Path, names: Sequence[str]) -> dict[str, Tensor]:
+    """The parameters ``names`` of ``model`` (built from the folder's config, weights on ``meta`` or not) read
+    from the folder's safetensors files, by the key the checkpoint holds each under: the name itself; else the
+    key transformers renames to it when it loads the folder (its checkpoint conversion mapping: Nemotron-H's
+    ``backbone.embeddings.weight`` is the module's ``model.embeddings.weight``, Qwen3.5's
+    ``model.language_model.embed_tokens.weight`` its text model's ``model.embed_tokens.weight``); else the one
+    key ending in the name's leaf (``embeddings.weight``) whose tensor has the parameter's shape.
+    A name found nowhere is left out; only the tensors found are read."""
+    where: dict[str, Path] = {}  # checkpoint key -> its file (headers only)
+    for file in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            where.update(dict.fromkeys(f.keys(), file))  # noqa: SIM118 (a safetensors handle, not a dict)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    renamed = _renamed_by_transformers(model, where)
+    keys = {}
+    for name in names:
+        if name in where:
+            keys[name] = name
+        elif name in renamed:
+            keys[name] = renamed[name]
+        else:
+            leaf = ".".join(name.split(".")[-2:])
+            like = [k for k in where if (k == leaf or k.endswith("." + leaf))
+                    and _saved_shape(where[k], k) == tuple(params[name].shape)]
+            if len(like) == 1:
+                keys[name] = like[0]
+    out = {}
+    for name, key in keys.items():
+        with safe_open(str(where[key]), framework="pt") as f:
+            out[name] = f.get_tensor(key)
+    return out
+
+
+def _renamed_by_transformers(model, keys) -> dict[str, str]:
+    """Model parameter name -> the checkpoint key transformers loads into it, for the keys it renames (transformers
+    5's conversion mapping of the model's class); {} where it renames none, or in a transformers without the mapping
+    (4.x names checkpoints as its modules)."""
+    state = model.state_dict()  # names and shapes (meta tensors where the weights are)
+    out = {}
+    try:  # transformers' loading internals: if they move, the leaf-name match of the caller still finds the tensors
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+        mapping = get_model_conversion_mapping(model)
+        renamings = [t for t in mapping if isinstance(t, WeightRenaming)]
+        converters = [t for t in mapping if isinstance(t, WeightConverter)]
+        for key in keys:
+            name, _ = rename_source_key(key, renamings, converters, model.base_model_prefix, state)
+            if name != key and name in state:
+                out.setdefault(name, key)
+    except (ImportError, AttributeError, TypeError):
+        return {}
+    return out
+
+
+def _saved_shape(file: Path, key: str) -> tuple[int, ...]:
+    with safe_open(str(file), framework="pt") as f:
+        return tuple(f.get_slice(key).get_shape())
 
 
 def _first_line(e: BaseException) -> str:

@@ -26,10 +26,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from vatspec.target import TargetError
+
 __all__ = ["Rollback", "RollbackError", "RollbackPlan", "plan"]
 
 
-class RollbackError(RuntimeError):
+class RollbackError(TargetError):
     """The target's cache cannot be taken back: the target cannot be verified."""
 
 

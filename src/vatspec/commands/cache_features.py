@@ -146,6 +146,7 @@ def _write(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
+    from vatspec.architecture import describe
     from vatspec.data import adopt_date, check_data_template, load_conversations, recorded_settings, split_turns
     from vatspec.features import drafter_layer_ids, finalize_cache, write_cache
     from vatspec.features.format import manifest_precision
@@ -171,6 +172,8 @@ def _write(args: argparse.Namespace) -> int:
     convs = load_conversations(args.data, skip_bad=args.skip_bad)
     target = open_target(args.target, device=device or "auto", dtype=args.target_dtype,
                          device_map=args.device_map)
+    if rank == 0:
+        print("\n".join(describe(target)), file=sys.stderr)
     use_template(target, args)
     template = adopt_date(target, recorded_settings(convs))  # the day the data was rendered on, where it stamps one
     check_data_template(convs, template.settings(target.tokenizer), args.data)

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from vatspec import benchmarks, data
+from vatspec.architecture import describe
 from vatspec.bench import prompt_ids
 from vatspec.check import check_draft
 from vatspec.commands import add_device_args, add_template_args, check_report_out, report, use_template
@@ -55,6 +56,7 @@ def run(args: argparse.Namespace) -> int:
         return report("check", e)
     try:
         target = open_target(args.target, device=args.device, dtype=args.dtype)
+        about = describe(target)  # a target whose cache cannot be taken back is refused here, before any work
         use_template(target, args)
         template = adopt_date(target, recorded_template(folder))  # the day it was trained with, for a dated template
         prompts = None if args.no_measure else _prompts(args, target)
@@ -64,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
         rep = check_draft(folder, target, prompts, max_new_tokens=args.max_new_tokens)
     print(f"vatspec check {folder} ({rep.format or 'unknown format'}) against {target.path}, chat template "
           f"arguments {format_kwargs(template.kwargs)}")
+    print("\n".join(about))
     for f in rep.findings:
         print(f"  {'ok  ' if f.ok else 'FAIL'}  {f.what:<22} {f.detail}")
     if rep.measured:

@@ -7,12 +7,14 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
 from vatspec import benchmarks, data
+from vatspec.architecture import describe
 from vatspec.bench import AR, HF, evaluate, prompt_ids
 from vatspec.calibrate import calibrate
 from vatspec.checkpoint import CheckpointError
@@ -87,6 +89,7 @@ def _run(args: argparse.Namespace) -> int:
     check_apart(args.out, inputs, "--out")
     check_folder(args.out, "eval", "--out")
     target = open_target(args.target, device=args.device, dtype=args.dtype)
+    print("\n".join(describe(target)), file=sys.stderr)  # refuses a target that cannot be verified, before any work
     use_template(target, args)
     methods = {}
     for spec in args.draft:

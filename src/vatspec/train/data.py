@@ -7,6 +7,7 @@ held-out, tokenized (or the rows of a feature cache), and this rank's share batc
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,6 +37,7 @@ def load_training_data(cfgs: list[Config], target=None, *, device, rank: int = 0
     """Read, render, split and tokenize ``cfgs[0].data`` (shared by the arms), loading the target unless given
     (from a feature cache only its embedding and lm_head). This rank's share of the training examples is
     batched in the seeded order every rank shares."""
+    from vatspec.architecture import describe
     from vatspec.target import open_target
 
     base = cfgs[0]
@@ -55,6 +57,8 @@ def load_training_data(cfgs: list[Config], target=None, *, device, rank: int = 0
         target = open_target(base.target.path, device=device, dtype=base.target.dtype,
                              heads_only=bool(dcfg.features),
                              device_map=None if dcfg.features else base.target.device_map)
+        if rank == 0:
+            print("\n".join(describe(target)), file=sys.stderr)
     # the template every sequence is rendered with (as served); recorded in config.yaml, checked against the data's
     template = D.attach_template(target, dcfg.chat_template, dcfg.chat_template_kwargs, dcfg.chat_template_date or None)
     # a template that stamps a date renders the one recorded with the data (or the cache): the same sequences

@@ -1,9 +1,11 @@
 """Targets of the families teams train drafts for, built by transformers from its own config classes (tiny random
 weights, nothing downloaded): ``Target.logits`` is the model's own, and the folders their checkpoints ship as
-(Nemotron-H's ``backbone.*`` names) open as targets, heads-only and on the meta device.
+(Nemotron-H's ``backbone.*`` names, Qwen3.5's multimodal wrapper) open as targets, heads-only and on the meta device.
 """
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -112,3 +114,62 @@ def test_nemotron_h_heads_and_embedding_are_found_under_the_checkpoints_names(ne
         Target.from_pretrained(broken, heads_only=True)
     with pytest.raises(TargetError, match="no safetensors file holds the input embedding 'model.embeddings.weight'"):
         Target.from_pretrained(broken, device="meta").input_embedding()
+
+
+# ----------------------------------------------------------------------------- Qwen3.5: a multimodal wrapper
+@pytest.fixture(scope="module")
+def qwen3_5(tmp_path_factory, default_target_path):
+    """A tiny Qwen3.5 as published: ``Qwen3_5ForConditionalGeneration`` (a vision tower beside the text model)."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    text = dict(LAYER, num_hidden_layers=4, head_dim=8, linear_key_head_dim=8, linear_value_head_dim=8,
+                linear_num_key_heads=2, linear_num_value_heads=4,
+                layer_types=["linear_attention", "full_attention"] * 2)
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=4,
+                  num_position_embeddings=16)
+    torch.manual_seed(0)
+    model = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text, vision_config=vision)).eval()
+    folder = tmp_path_factory.mktemp("qwen3_5")
+    save_with_tokenizer(model, folder, default_target_path)
+    return model, folder
+
+
+def test_a_qwen3_5_multimodal_folder_opens_as_its_text_model(qwen3_5, tmp_path):
+    from vatspec.drafters.eagle3 import Eagle3Drafter
+    from vatspec.export import export_draft, validate_export
+    from vatspec.features.format import target_config
+
+    wrapper, folder = qwen3_5
+    assert json.loads((folder / "config.json").read_text())["architectures"] == ["Qwen3_5ForConditionalGeneration"]
+    t = Target.from_pretrained(folder)
+    assert t.config.model_type == "qwen3_5_text" and (t.num_layers, t.hidden_size, t.vocab_size) == (4, 32, V)
+    assert len(t._layers) == 4
+    ids = torch.randint(0, V, (1, 9))
+    out = t(ids, layer_ids=[0, 2])
+    ref = wrapper(input_ids=ids, output_hidden_states=True)
+    torch.testing.assert_close(out.logits, ref.logits.float())  # the wrapper's own logits
+    torch.testing.assert_close(out.features, torch.cat([ref.hidden_states[1], ref.hidden_states[3]], -1))
+    torch.testing.assert_close(t.logits(out.hidden), ref.logits.float())
+
+    ho = Target.from_pretrained(folder, heads_only=True)  # model.language_model.* in the checkpoint
+    assert torch.equal(ho.embed_tokens.weight, t.embed_tokens.weight) and torch.equal(ho.lm_head.weight,
+                                                                                       t.lm_head.weight)
+    # vatspec export opens the target on the meta device: the text config's sizes, the embedding from the file
+    meta = Target.from_pretrained(folder, device="meta")
+    assert meta.config.model_type == "qwen3_5_text" and target_config(meta) == target_config(t)
+    draft = Eagle3Drafter.from_target(t, draft_vocab_size=V, ttt_steps=2)
+    out_dir = export_draft(draft, meta, tmp_path / "served", fmt="speculators")
+    assert validate_export(out_dir, meta) == "speculators"
+    layer = json.loads((out_dir / "config.json").read_text())["transformer_layer_config"]
+    assert (layer["hidden_size"], layer["vocab_size"]) == (32, V)
+
+
+def test_a_wrapper_transformers_does_not_open_as_a_causal_lm_is_refused_in_one_line(tmp_path):
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    llava = LlavaConfig(text_config=LlamaConfig(**LAYER), vision_config=CLIPVisionConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=8, patch_size=4))
+    LlavaForConditionalGeneration(llava).save_pretrained(tmp_path)
+    with pytest.raises(TargetError, match=r"^[^\n]*its text model \(llama\) is a causal LM, but transformers does "
+                                          r"not open it from a llava folder[^\n]*$"):
+        Target.from_pretrained(tmp_path)

@@ -236,7 +236,9 @@ class Target:
         cls, path: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
         device_map: str | dict | None = None, heads_only: bool = False,
     ) -> Target:
-        """Load any local Hugging Face causal-LM folder (Llama, Qwen3, Gemma3, ...).
+        """Load any local Hugging Face causal-LM folder (Llama, Qwen3, Gemma3, ...), or a multimodal one whose
+        text model transformers opens as a causal LM (Qwen3.5's ``Qwen3_5ForConditionalGeneration``): the target
+        is then that text model, and ``config`` its text config.
 
         On the ``meta`` device no weight is read: the modules are built from config.json, which is
         all an export needs (sizes, layer count, model family, tokenizer). With ``device_map`` the
@@ -256,8 +258,8 @@ class Target:
         except (OSError, ValueError) as e:
             raise TargetError(f"{path}/config.json: not a readable model config ({_first_line(e)})") from e
         archs = getattr(config, "architectures", None) or []
-        if archs and not any(a.endswith("ForCausalLM") or a.endswith("LMHeadModel") for a in archs):
-            raise TargetError(f"{path}/config.json: architectures {archs} is not a causal LM")
+        if archs and not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
+            _check_text_model_opens(config, f"{path}/config.json: architectures {archs}")
         try:
             if device_map is not None:
                 model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device_map)
@@ -478,6 +480,21 @@ def _renamed_by_transformers(model, keys) -> dict[str, str]:
 def _saved_shape(file: Path, key: str) -> tuple[int, ...]:
     with safe_open(str(file), framework="pt") as f:
         return tuple(f.get_slice(key).get_shape())
+
+
+def _check_text_model_opens(config, what: str) -> None:
+    """Architectures that are not a causal LM open as a target only when they wrap one that
+    ``AutoModelForCausalLM`` opens from the folder itself: a multimodal model (Qwen3.5, Gemma 3) whose model_type
+    transformers maps to its text model (``Qwen3_5ForCausalLM``) or to the wrapper's causal-LM forward."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL
+
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if text is not config and config.model_type in CAUSAL:
+        return
+    if text is not config and text.model_type in CAUSAL:
+        raise TargetError(f"{what}: its text model ({text.model_type}) is a causal LM, but transformers does not open "
+                          f"it from a {config.model_type} folder; save the text model alone as the target")
+    raise TargetError(f"{what} is not a causal LM")
 
 
 def _first_line(e: BaseException) -> str:

@@ -33,6 +33,13 @@ def test_layer_kinds_windows_and_engines_from_the_config():
     assert layer_kinds(Llama4TextConfig(num_hidden_layers=4)) == {"chunked attention": 3, "attention": 1}
     assert layer_kinds(MistralConfig(num_hidden_layers=3, sliding_window=8)) == {"sliding window": 3}
     assert layer_kinds(DeepseekV3Config(num_hidden_layers=2)) == {"attention": 2}
+    from transformers import FalconH1Config, GraniteConfig
+
+    from vatspec.architecture import _logits
+
+    assert _logits(FalconH1Config(lm_head_multiplier=0.5)) == ["x 0.5"]
+    assert _logits(GraniteConfig(logits_scaling=4.0)) == ["x 0.25"]
+    assert _logits(Gemma3TextConfig(final_logit_softcapping=30.0)) == ["soft-cap 30"]
     table = engine_support()  # read from the engines' own sources (tools/engine_support.py)
     assert "Gemma3ForCausalLM" not in table["vllm"]["eagle3"] and "Gemma3ForCausalLM" in table["sglang"]["eagle3"]
     assert "Qwen3_5ForConditionalGeneration" in table["vllm"]["dflash"]

@@ -83,6 +83,14 @@ def _runs_forward(target) -> bool:
     return p is not None and p.device.type != "meta"
 
 
+def _logits(config) -> list[str]:
+    """What the model's forward does to ``lm_head(hidden)`` (``target.logit_transform``), in words."""
+    from vatspec.target import logit_transform
+
+    scale, cap = logit_transform(config)
+    return ([f"x {scale:g}"] if scale != 1.0 else []) + ([f"soft-cap {cap:g}"] if cap else [])
+
+
 def _ids(default) -> list[int] | None:
     """The drafter's default layer ids, None where the target is too shallow for them (they must be set)."""
     try:
@@ -113,7 +121,7 @@ def summary(target) -> dict:
         "eagle3_layer_ids": _ids(lambda: default_layer_ids(target.num_layers, distinct=True)),
         "dflash_layer_ids": _ids(lambda: default_target_layer_ids(target.num_layers, 1, distinct=True)),
         "rope_scaling": (scaling or {}).get("rope_type"),
-        "logits": list(target.logit_transforms()) if hasattr(target, "logit_transforms") else [],
+        "logits": _logits(cfg),
         "rollback": plan(target).describe() if _runs_forward(target) else None,
         "engines": _engines(archs),
     }

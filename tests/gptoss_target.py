@@ -76,10 +76,13 @@ def gptoss_config(vocab_size: int, *, layers: int = 4, hidden: int = 64, experts
 
 
 def build_gptoss_target(out_dir, smollm2_dir, *, speak: str | None = None, layers: int = 4, seed: int = 0,
-                        steps: int = 300) -> Path:
+                        steps: int = 300, prompts: list[list[dict]] = ()) -> Path:
     """Save a tiny gpt-oss (``gptoss_config``) with the harmony tokenizer (``harmony_tokenizer``) and
     ``generation_config.json`` eos ids ``[<|return|>, <|endoftext|>, <|call|>]`` to ``out_dir``; returns it.
-    ``speak``: the text (after ``<|start|>assistant``) the model is taught to answer every prompt with."""
+    ``speak``: the text (after ``<|start|>assistant``) the model is taught to answer every prompt with; ``prompts``
+    (message lists) are in every teaching batch beside the random ones, so the answer wins by the margin after
+    these too (a tiny model taught on random prompts alone can still end its analysis with ``<|return|>`` after
+    one of them, and how often depends on the machine's float rounding)."""
     from transformers import GenerationConfig, GptOssForCausalLM
 
     tok = harmony_tokenizer(smollm2_dir)
@@ -88,7 +91,7 @@ def build_gptoss_target(out_dir, smollm2_dir, *, speak: str | None = None, layer
     torch.manual_seed(seed)
     model = GptOssForCausalLM(gptoss_config(len(tok), layers=layers, pad_token_id=pad, eos_token_id=stops[0])).eval()
     if speak is not None:
-        _teach(model, tok, speak, steps, seed=seed)
+        _teach(model, tok, speak, steps, seed=seed, fixed=prompts)
     model.generation_config = GenerationConfig(eos_token_id=stops, pad_token_id=pad, do_sample=False)
     out = Path(out_dir)
     model.save_pretrained(out)
@@ -97,7 +100,7 @@ def build_gptoss_target(out_dir, smollm2_dir, *, speak: str | None = None, layer
 
 
 def _teach(model, tok, answer: str, steps: int, *, lr: float = 1e-2, margin: float = 3.0, rows: int = 4,
-           seed: int = 0) -> int:
+           seed: int = 0, fixed: list[list[dict]] = ()) -> int:
     """Adam steps on fresh random prompts each step (one and two turns, 1 to 48 words: some past the 128-token
     window), the answer supervised alone, until every answer token of ``PATIENCE`` batches in a row wins by
     ``margin`` logits before it trains on them (so greedy decoding writes ``answer`` after prompts it never saw; ~70
@@ -119,15 +122,18 @@ def _teach(model, tok, answer: str, steps: int, *, lr: float = 1e-2, margin: flo
             if r % 3 == 2:  # a second turn after an earlier answer, as the template renders history (no analysis)
                 msgs += [{"role": "assistant", "content": CONTENT}, {"role": "user", "content": question()}]
             seqs.append(tok(template.render(tok, msgs, generation_prompt=True), add_special_tokens=False)["input_ids"])
+        seqs += [tok(template.render(tok, msgs, generation_prompt=True), add_special_tokens=False)["input_ids"]
+                 for msgs in fixed]
         T = max(len(p) for p in seqs) + len(want)
-        ids = torch.full((rows, T), tok.pad_token_id)
-        attn = torch.zeros((rows, T), dtype=torch.long)
-        at = torch.zeros((rows, T), dtype=torch.bool)  # positions whose next token is an answer token
+        n = len(seqs)
+        ids = torch.full((n, T), tok.pad_token_id)
+        attn = torch.zeros((n, T), dtype=torch.long)
+        at = torch.zeros((n, T), dtype=torch.bool)  # positions whose next token is an answer token
         for r, p in enumerate(seqs):
             ids[r, : len(p) + len(want)] = torch.tensor(p + want)
             attn[r, : len(p) + len(want)] = 1
             at[r, len(p) - 1: len(p) + len(want) - 1] = True
-        return ids, attn, at, torch.tensor(want * rows)
+        return ids, attn, at, torch.tensor(want * n)
 
     # the embedding and the lm_head stay random (and frozen: most of the parameters, and of a step's cost)
     head = model.get_output_embeddings()

@@ -155,7 +155,38 @@ def main(argv: list[str] | None = None) -> int:
         per_round = sum(parts[path]) / max(1, len(rounds[path]))
         print(f"{path:<20} {1e3 * v:>16.2f} {1e3 * per_round:>12.3f} {100 * per_round / v:>10.1f}% {v / base:>18.2f}x")
     Rollback.before, Rollback.drop = before, drop
+    print()
+    recording_cost(targets, prompt, args)
     return 0
+
+
+def recording_cost(targets: dict, prompt: list[int], args) -> None:
+    """The pass itself: a verify pass of k + 1 tokens with recording on (per-token states kept) and off, on the
+    same context, interleaved; the recorded pass is then cropped, the other restored from a copy (untimed)."""
+    import copy
+
+    x = torch.tensor([prompt[: args.k + 1]])
+    print(f"{'verify pass of k+1':<20} {'recording off ms':>16} {'on ms':>8} {'on / off':>9}")
+    for kind in ("qwen3_next", "nemotron_h", "sliding"):
+        target = targets[kind]
+        caches = {}
+        for on in (False, True):
+            caches[on] = target(torch.tensor([prompt]), logits=False, use_cache=True).past_key_values
+            if on:
+                Rollback(target, caches[on], most_fed=args.k + 1, mode="record")
+        timer = SideBySide(["off", "on"], repeats=20 * args.repeats, warmup=2)
+        for _, order in timer.rounds():
+            for path in order:
+                cache = caches[path == "on"]
+                saved = copy.deepcopy(cache) if path == "off" else None
+                with timer.time(path):
+                    target(x, past_key_values=cache, use_cache=True)
+                if saved is not None:
+                    caches[False] = saved
+                else:
+                    cache.crop(-x.shape[1])
+        off, on = timer.median("off"), timer.median("on")
+        print(f"{kind:<20} {1e3 * off:>16.2f} {1e3 * on:>8.2f} {on / off:>8.2f}x")
 
 
 if __name__ == "__main__":

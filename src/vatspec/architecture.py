@@ -83,6 +83,18 @@ def _runs_forward(target) -> bool:
     return p is not None and p.device.type != "meta"
 
 
+def _served_architectures(target) -> list[str]:
+    """The folder's ``config.json`` architectures, what an engine reads (a multimodal wrapper's, not the text
+    model's that transformers opens); [] without a folder."""
+    from pathlib import Path
+
+    file = Path(target.path) / "config.json" if target.path else None
+    try:
+        return list(json.loads(file.read_text()).get("architectures") or []) if file else []
+    except (OSError, ValueError):
+        return []
+
+
 def _logits(config) -> list[str]:
     """What the model's forward does to ``lm_head(hidden)`` (``target.logit_transform``), in words."""
     from vatspec.target import logit_transform
@@ -108,7 +120,8 @@ def summary(target) -> dict:
 
     cfg = target.config
     full_cfg = target.model.config
-    archs = list(getattr(full_cfg, "architectures", None) or [type(target.model).__name__])
+    archs = _served_architectures(target) or list(getattr(full_cfg, "architectures", None) or
+                                                  [type(target.model).__name__])
     _, scaling = rope_parameters(cfg)
     out = {
         "model_type": getattr(full_cfg, "model_type", None),

@@ -22,7 +22,7 @@ from vatspec.drafters.eagle3 import (
     default_layer_ids,
     rope_from_config,
 )
-from vatspec.drafters.layers import rope_inv_freq
+from vatspec.drafters.layers import rope_init
 from vatspec.drafters.sampling import warp_logits
 from vatspec.drafters.vocab import build_draft_vocab, target_ids
 from vatspec.target import Target, TargetOutput
@@ -181,7 +181,8 @@ def test_rope_matches_transformers(scaling):
     theta, ours_scaling = rope_from_config(hf_cfg)
     assert theta == 500000.0 and ours_scaling == scaling
     ref = LlamaRotaryEmbedding(hf_cfg)
-    assert torch.allclose(rope_inv_freq(64, theta, ours_scaling), ref.inv_freq, rtol=1e-6, atol=0)
+    inv, _ = rope_init(64, theta, ours_scaling, hf_cfg.max_position_embeddings)
+    assert torch.allclose(inv, ref.inv_freq, rtol=1e-6, atol=0)
     c = Eagle3Config(
         hidden_size=16, target_hidden_size=16, num_heads=2, num_kv_heads=1, head_dim=64, intermediate_size=32,
         rms_norm_eps=1e-6, rope_theta=theta, vocab_size=10, draft_vocab_size=10, target_layer_ids=(0, 1, 2),

@@ -7,13 +7,12 @@ transformers' own (Llama's; Qwen3's are the same code), as z-lab's DFlash refere
 RoPE, in three steps (``rope_parameters`` also reads a ``config.json`` dict, for importing drafts)::
 
     theta, scaling = rope_parameters(target.config)          # (1e4, None) or (5e5, {"rope_type": "llama3", ...})
-    inv_freq = rope_inv_freq(head_dim, theta, scaling)       # [hd/2]; rope_init for any transformers type
-    cos, sin = rope_cos_sin(positions, inv_freq)             # [..., hd] each; q = apply_rope(q, cos, sin)
+    inv_freq, scale = rope_init(head_dim, theta, scaling)   # [hd/2] and cos/sin's factor, as transformers computes
+    cos, sin = rope_cos_sin(positions, inv_freq)             # [..., hd] each, times scale; q = apply_rope(q, cos, sin)
 """
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -27,9 +26,6 @@ from vatspec.drafters.base import Linear
 
 # Llama RMSNorm: statistics in float32, weight applied in the input dtype.
 RMSNorm = LlamaRMSNorm
-
-ROPE_TYPES = ("default", "linear", "llama3")  # what rope_inv_freq computes itself
-
 
 # ----------------------------------------------------------------------------- MLP
 DRAFT_ACT = "silu"  # the only MLP activation of the engines' draft layers (EAGLE-3: a Llama layer; DFlash: Qwen3's)
@@ -94,27 +90,9 @@ def rope_parameters(cfg: Any) -> tuple[float, dict | None]:
     return theta, scaling if "rope_type" in scaling else {"rope_type": kind, **scaling}
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: Mapping | None = None) -> Tensor:
-    """Inverse RoPE frequencies [head_dim / 2] float32: plain, linear or llama3-scaled (``ROPE_TYPES``)."""
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    kind = (scaling or {}).get("rope_type", "default")
-    if kind == "linear":
-        return inv / float(scaling["factor"])
-    if kind == "llama3":
-        factor = float(scaling["factor"])
-        lo, hi = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
-        ctx = float(scaling["original_max_position_embeddings"])
-        wavelen = 2 * math.pi / inv
-        # long wavelengths (> ctx / lo) are slowed by `factor`, short ones (< ctx / hi) kept,
-        # and the band between is interpolated linearly in ctx / wavelen.
-        slowed = torch.where(wavelen > ctx / lo, inv / factor, inv)
-        w = (ctx / wavelen - lo) / (hi - lo)
-        blended = (1 - w) * slowed / factor + w * slowed
-        middle = (wavelen >= ctx / hi) & (wavelen <= ctx / lo)
-        return torch.where(middle, blended, slowed)
-    if kind != "default":
-        raise ValueError(f"rope_inv_freq: rope_type {kind!r} is not one of {ROPE_TYPES}; use rope_init")
-    return inv
+def rope_inv_freq(head_dim: int, theta: float) -> Tensor:
+    """Plain RoPE's inverse frequencies [head_dim / 2] float32 (a scaled type: ``rope_init``)."""
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
 
 
 def rope_init(
@@ -156,7 +134,6 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 __all__ = [
     "DRAFT_ACT",
     "MLP",
-    "ROPE_TYPES",
     "RMSNorm",
     "apply_rope",
     "draft_activation",

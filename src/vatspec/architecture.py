@@ -96,8 +96,8 @@ def _served_architectures(target) -> list[str]:
 
 
 def _logits(config) -> list[str]:
-    """What the model's forward does to ``lm_head(hidden)`` (``target.logit_transform``), in words."""
-    from vatspec.target import logit_transform
+    """What the model's forward does to ``lm_head(hidden)`` (``families.logit_transform``), in words."""
+    from vatspec.families import logit_transform
 
     scale, cap = logit_transform(config)
     return ([f"x {scale:g}"] if scale != 1.0 else []) + ([f"soft-cap {cap:g}"] if cap else [])

@@ -4,6 +4,7 @@ config classes) through what the project does with a target.
     test_logits[arch]               Target.logits(hidden) is the model's own forward logits (its caps, its scales)
     test_greedy_ar[arch]            decode.generate with no drafter = HF generate(do_sample=False)
     test_greedy_speculative[arch]   a scripted drafter accepting 0..K drafts a round (many rollbacks) = HF greedy
+    test_regenerate_rows[arch]      in-process regeneration's batched loop = HF greedy, prompt by prompt
     test_sampling[qwen3_5]          T > 0 on a gated delta-net hybrid: the target's own distribution (chi-square)
     test_cache_features[arch]       (slow) cache-features ->
     test_train[arch-kind-source]    (slow) train EAGLE-3 / DFlash, online and from the cache ->
@@ -128,6 +129,20 @@ def test_greedy_speculative(targets, greedy, name):
     res = generate(target, ids, drafter, max_new_tokens=MAX_NEW)
     assert res.tokens == ref
     assert set(res.num_accepted) == set(range(K + 1))  # rolled back by every count, none at all included
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_regenerate_rows(targets, greedy, tokenizer, name):
+    """In-process regeneration's batched loop (``data.regen.generate_rows``: left-padded rows, finished rows dropped
+    from the cache, recurrent states included) says what HF greedy says for each prompt alone."""
+    from vatspec.data.regen import generate_rows
+
+    target, (ids, ref) = targets[name], greedy[name]
+    short = tokenizer("Count to five.")["input_ids"]
+    longer = tokenizer("What is the capital of France, and why is it famous for its food and its art?")["input_ids"]
+    alone = [hf_greedy(target, p, 12) for p in (short, longer)]
+    rows = generate_rows(target, [ids, short, longer], [MAX_NEW, 3, 12], eos=target.eos_token_ids, pad_id=0)
+    assert rows == [ref, alone[0][:3], alone[1]]  # the short row leaves the batch after 3 tokens
 
 
 # ----------------------------------------------------------------------------- sampling, on a hybrid

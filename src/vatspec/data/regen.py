@@ -328,12 +328,26 @@ def _generate_rows(target, prompts, budgets, eos, pad_id, temperature, top_p, ge
             break
         if n_done * 8 >= len(live):  # drop the finished rows
             keep = (~done).nonzero().squeeze(1)
-            cache.batch_select_indices(keep)
+            keep_rows(cache, keep)
             live, nxt, attn, pos, done = live[keep], nxt[keep], attn[keep], pos[keep], done[keep]
         attn = torch.cat([attn, attn.new_ones(len(live), 1)], 1)
         pos = pos + 1
         logits = target(nxt[:, None], attn, position_ids=pos, past_key_values=cache, use_cache=True).logits[:, -1]
     return out
+
+
+def keep_rows(cache, keep: torch.Tensor) -> None:
+    """Keep the batch rows ``keep`` of a transformers cache, in every kind of layer: attention keys and values
+    (``batch_select_indices``) and the convolution and recurrent states of linear-attention / Mamba layers, which
+    ``batch_select_indices`` leaves alone (or lacks) and ``reorder_cache`` selects along the batch."""
+    from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+    for layer in getattr(cache, "layers", None) or [cache]:
+        linear = isinstance(layer, LinearAttentionCacheLayerMixin)
+        if linear:
+            LinearAttentionCacheLayerMixin.reorder_cache(layer, keep)
+        if not linear or hasattr(layer, "keys"):  # attention, or the attention half of a hybrid layer (Falcon-H1)
+            layer.batch_select_indices(keep)
 
 
 def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

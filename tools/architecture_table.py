@@ -18,7 +18,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's tests/ (the tiny targets)
 
 STAGES = [("logits", "logits"), ("greedy_ar", "T=0 AR"), ("greedy_speculative", "T=0 spec"),
-          ("cache_features", "cache"), ("train", "train"), ("export", "export"), ("check", "check")]
+          ("regenerate_rows", "regen"), ("cache_features", "cache"), ("train", "train"), ("export", "export"),
+          ("check", "check")]
 SHORT = {"attention": "attn", "sliding window": "sliding", "chunked attention": "chunked",
          "linear attention / SSM": "linear/SSM", "short convolution": "conv", "attention + SSM in parallel": "attn+SSM",
          "MLP only": "MLP", "MoE only": "MoE"}

@@ -81,8 +81,8 @@ def _fresh_histories(cache) -> None:
 @torch.inference_mode()
 def plan(target) -> RollbackPlan:
     """How ``target``'s cache rolls back, found once per target by a probe on 2 + 3 tokens: the cache's layer
-    kinds, and whether its forgetting layers record per-token states. ``RollbackError`` (one line naming the cache)
-    when the model returns no cache or one that cannot be cut, copied or recorded."""
+    kinds, and whether its forgetting layers record per-token states. ``RollbackError`` (one line naming the model,
+    or the layer) when the model returns no cache, or a cache layer that neither forgets nor can be cut."""
     cached = getattr(target, "_rollback_plan", None)
     if cached is not None:
         return cached

@@ -4,7 +4,9 @@ measured per position and compared with training's record."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 
 import pytest
 from safetensors.torch import load_file, save_file
@@ -98,6 +100,15 @@ def test_each_broken_folder_is_caught_with_a_line_naming_it(exports, smol_tokeni
         bad = failures(tamper(src, tmp_path / name, **kw), t)
         assert what in bad, (name, bad)
         assert re.search(msg, bad[what]), (name, bad[what])
+    # a stale second weight file with the same tensors (which one an engine keeps depends on its loading order)
+    stale = tamper(exports["hf"], tmp_path / "stale", config=lambda c: None)
+    shutil.copy(stale / "model.safetensors", stale / "model-old.safetensors")
+    assert re.search("d2t is in both model-old.safetensors and model.safetensors: .* remove the stale file",
+                     failures(stale, t)["weights"])
+    # a FIFO named like weights: named, never opened (reading it would block forever)
+    fifo = tamper(exports["hf"], tmp_path / "fifo", config=lambda c: None)
+    os.mkfifo(fifo / "extra.safetensors")
+    assert re.search("extra.safetensors in .* is not a regular file", failures(fifo, t)["weights"])
     # the tokenizer it was trained with, recorded
     rec = json.loads((exports["hf"] / "vatspec.json").read_text())
     rec["target"]["tokenizer_sha256"] = "0" * 64

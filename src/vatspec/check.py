@@ -153,11 +153,19 @@ def _weight_findings(fmt: str, cfg: dict, folder: Path, target) -> list[Finding]
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         return [Finding(False, "weights", f"no *.safetensors in {folder}")]
+    odd = [f.name for f in files if not f.is_file()]  # a FIFO would block the read forever
+    if odd:
+        return [Finding(False, "weights", f"{', '.join(odd)} in {folder} is not a regular file: the engines read "
+                        "every *.safetensors of the folder")]
     try:
-        tensors = {}
+        tensors: dict[str, Path] = {}
         for file in files:
             with safe_open(str(file), framework="pt") as f:
-                tensors |= {name: file for name in f.keys()}  # noqa: SIM118 (a safetensors handle)
+                for name in f.keys():  # noqa: SIM118 (a safetensors handle)
+                    if name in tensors:  # which one an engine keeps depends on its loading order
+                        return [Finding(False, "weights", f"{name} is in both {tensors[name].name} and {file.name}: "
+                                        "the engines load every *.safetensors of the folder; remove the stale file")]
+                    tensors[name] = file
     except (OSError, SafetensorError) as e:
         return [Finding(False, "weights", f"unreadable ({e})")]
 

@@ -700,3 +700,20 @@ def test_a_gemma3_draft_is_built_with_silu_and_exports(tmp_path):
     assert s.propose(3).tokens.shape == (3,)
     with pytest.raises(ExportError, match=r"SiLU only; this draft was trained with hidden_act='gelu_pytorch_tanh'"):
         export_draft(old, gemma, tmp_path / "old", fmt="eagle3-hf")
+
+
+def test_an_interrupted_exports_leftovers_are_removed_by_the_next(target, tmp_path):
+    """A killed export leaves ``.OUT.tmp-PID`` (a full copy of the weights) beside ``--out``; the next export to that
+    folder removes the leftovers of processes that are gone, and keeps a running one's."""
+    import os
+
+    dead, live = tmp_path / ".served.tmp-4999999", tmp_path / f".served.tmp-{os.getppid()}"
+    old = tmp_path / ".served.old-4999998"
+    for folder in (dead, live, old):
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"x" * 16)
+    other = tmp_path / ".other.tmp-4999999"  # another export's
+    other.mkdir()
+    export_draft(make_drafter("eagle3", target), target, tmp_path / "served", fmt="eagle3-hf")
+    assert not dead.exists() and not old.exists()
+    assert live.exists() and other.exists()

@@ -172,7 +172,7 @@ def write_lock(path: str | os.PathLike, what: str, command: str, part: str = "")
             raise OutputError(f"{what} {path} is being written by {_holder(fd)}; wait for it to finish or "
                               f"choose another {what}") from None
         old = _holder_record(fd)
-        if old and old.get("host") == socket.gethostname() and not _alive(old.get("pid")):
+        if old and old.get("host") == socket.gethostname() and not pid_alive(old.get("pid")):
             log.warning("%s %s: taking over the lock of pid %s (%s since %s), which is no longer running",
                         what, path, old.get("pid"), old.get("command"), old.get("since"))
         me = {"pid": os.getpid(), "host": socket.gethostname(), "command": command, "path": real, "part": part,
@@ -201,7 +201,8 @@ def _holder(fd: int) -> str:
             f"{rec.get('since', '?')})")
 
 
-def _alive(pid) -> bool:
+def pid_alive(pid) -> bool:
+    """Whether process ``pid`` runs on this machine (one we may not signal counts as running)."""
     try:
         os.kill(int(pid), 0)
     except (ProcessLookupError, ValueError, TypeError):

@@ -29,7 +29,7 @@ from vatspec.export.formats import (
 )
 from vatspec.export.record import RECORD, make_record
 from vatspec.export.validate import validate_export
-from vatspec.outputs import WRITE_ERRORS, user_mode, write_error
+from vatspec.outputs import WRITE_ERRORS, pid_alive, user_mode, write_error
 from vatspec.target import DTYPES, dtype_name
 
 
@@ -222,12 +222,22 @@ def _write_head(folder: Path, head: AcceptHead, drafter, threshold: float | None
     (folder / CONFIG).write_text(json.dumps(meta, indent=2) + "\n")
 
 
+def _remove_leftovers(out: Path) -> None:
+    """The ``.OUT.tmp-PID`` / ``.OUT.old-PID`` folders of earlier exports to ``out`` whose process is gone (killed,
+    SIGTERM: a full copy of the weights each): removed. A live process's are its own."""
+    for stale in out.parent.glob(f".{out.name}.*-*"):
+        kind, _, pid = stale.name[len(out.name) + 2:].partition("-")
+        if kind in ("tmp", "old") and pid.isdigit() and stale.is_dir() and not pid_alive(pid):
+            shutil.rmtree(stale, ignore_errors=True)
+
+
 def _write_atomically(out: Path, write, *, force: bool) -> Path:
     if out.exists() and not out.is_dir():
         raise ExportError(f"{out} exists and is not a folder")
     if out.is_dir() and any(out.iterdir()) and not force:
         raise ExportError(f"{out} exists and is not empty; pass --force to replace it")
     out.parent.mkdir(parents=True, exist_ok=True)
+    _remove_leftovers(out)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()

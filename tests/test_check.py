@@ -109,6 +109,14 @@ def test_each_broken_folder_is_caught_with_a_line_naming_it(exports, smol_tokeni
     fifo = tamper(exports["hf"], tmp_path / "fifo", config=lambda c: None)
     os.mkfifo(fifo / "extra.safetensors")
     assert re.search("extra.safetensors in .* is not a regular file", failures(fifo, t)["weights"])
+    # a broken record: said, not skipped in silence
+    broken = tamper(exports["hf"], tmp_path / "broken_record", config=lambda c: None)
+    (broken / "vatspec.json").write_text('{"format": "vatspec-record", ')
+    assert "checks against training are skipped" in failures(broken, t)["record"]
+    rec = json.loads((exports["hf"] / "vatspec.json").read_text())
+    rec["target"]["chat_template_kwargs"] = "enable_thinking=false"  # hand-edited: a string, not an object
+    (broken / "vatspec.json").write_text(json.dumps(rec))
+    assert "checks against training are skipped" in failures(broken, t)["record"]
     # the tokenizer it was trained with, recorded
     rec = json.loads((exports["hf"] / "vatspec.json").read_text())
     rec["target"]["tokenizer_sha256"] = "0" * 64

@@ -26,7 +26,7 @@ from vatspec.drafters.layers import rope_parameters
 from vatspec.drafters.vocab import check_draft_vocab
 from vatspec.export.formats import CONFIG, MASK_FILE, ExportError, detect_format, read_json, served_layer_ids
 from vatspec.export.read import embedding_matches, import_draft, load_accept_head
-from vatspec.export.record import read_record, target_fingerprint
+from vatspec.export.record import RECORD, read_record, target_fingerprint
 
 # "far below training": the served draft accepts less than this fraction of the drafted tokens per
 # round that training's held-out simulation accepted. A served-wrong draft falls to ~0 (a shifted
@@ -86,6 +86,9 @@ def convention_findings(folder: Path, target) -> tuple[str | None, list[Finding]
                            f"{ids} not distinct and increasing: the engines feed fc the layers in the order they run "
                            f"({sorted(set(ids))}), not the listed order"))
     record = read_record(folder)
+    if record is None and (folder / RECORD).exists():  # a third-party folder has none; a broken one is said
+        out.append(Finding(False, "record", f"{RECORD} is not a readable vatspec record (broken JSON, or another "
+                           "file of that name): the checks against training are skipped; re-export the draft"))
     if record is not None and ids:
         trained = sorted(int(i) for i in record.get("target_layer_ids") or [])
         same = trained == sorted(ids)

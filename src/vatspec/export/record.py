@@ -69,7 +69,7 @@ def make_record(drafter, target, training: dict | None) -> dict:
 
 
 def read_record(folder: Path) -> dict | None:
-    """The folder's record, or None when it has none or one this version does not read."""
+    """The folder's record, or None when it has none, or one this version does not read or that is malformed."""
     file = Path(folder) / RECORD
     if not file.is_file():
         return None
@@ -77,7 +77,19 @@ def read_record(folder: Path) -> dict | None:
         rec = json.loads(file.read_text())
     except (OSError, json.JSONDecodeError):
         return None
-    return rec if isinstance(rec, dict) and rec.get("format") == RECORD_FORMAT else None
+    return rec if isinstance(rec, dict) and rec.get("format") == RECORD_FORMAT and _well_formed(rec) else None
+
+
+def _well_formed(rec: dict) -> bool:
+    """The fields readers use have their types (a hand-edited record with string template arguments or layer ids
+    is no record, and ``check`` says so, instead of failing inside a comparison)."""
+    tgt = rec.get("target", {})
+    if not isinstance(tgt, dict):
+        return False
+    kwargs, date = tgt.get("chat_template_kwargs"), tgt.get("chat_template_date")
+    ids = rec.get("target_layer_ids")
+    return ((kwargs is None or isinstance(kwargs, dict)) and (date is None or isinstance(date, str))
+            and (ids is None or isinstance(ids, list) and all(isinstance(i, int) for i in ids)))
 
 
 def _step_of(checkpoint: Path) -> int | None:

@@ -167,6 +167,17 @@ def test_template_settings_are_checked(base_tok, tmp_path):
         load_template(tok, qwen3, "enable_thinking")
     with pytest.raises(DataError, match="cannot read"):
         load_template(tok, str(tmp_path / "missing.jinja"))
+    # a thinking switch is a boolean (a template tests it for truth: "maybe" or "=false" would turn thinking on)
+    for value in ("maybe", "=false", "1"):
+        with pytest.raises(DataError, match="enable_thinking must be true or false, got "):
+            load_template(tok, qwen3, f"enable_thinking={value}")
+    # what the renderer sets itself, and values that are not YAML: one line each
+    for arg in ("messages=[]", "add_generation_prompt=true"):
+        with pytest.raises(DataError, match="is set by the renderer, not a template argument"):
+            load_template(tok, qwen3, arg)
+    for arg in ("enable_thinking=[1", "enable_thinking={", "x=!!python/object:os.system ls"):
+        with pytest.raises(DataError, match="is not a value"):
+            load_template(tok, qwen3, arg)
     want = load_template(tok, qwen3, "enable_thinking=false").settings(tok)
     check_settings(dict(want), want, "data", "this run")  # the same: passes
     with pytest.raises(DataError, match="kwargs enable_thinking=true, this run renders with enable_thinking=false"):

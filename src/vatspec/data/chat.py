@@ -169,7 +169,7 @@ def parse_kwargs(spec: str | dict | None, where: str = "--chat-template-kwargs")
     if not spec:
         return {}
     if isinstance(spec, dict):
-        return dict(spec)
+        return _checked_kwargs(dict(spec), where)
     out: dict[str, Any] = {}
     for item in spec.split(","):
         key, sep, raw = item.partition("=")
@@ -178,8 +178,29 @@ def parse_kwargs(spec: str | dict | None, where: str = "--chat-template-kwargs")
             raise DataError(f"{where}: expected key=value[,key=value...], got {item.strip()!r}")
         if key in out:
             raise DataError(f"{where}: {key!r} is given twice")
-        out[key] = yaml.safe_load(raw) if raw.strip() else ""
-    return out
+        try:
+            out[key] = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError as e:
+            first = (str(e).strip().splitlines() or ["?"])[0]
+            raise DataError(f"{where}: {key}={raw.strip()!r} is not a value ({first}); quote a string, "
+                            "write true / false / a number") from None
+    return _checked_kwargs(out, where)
+
+
+# what the renderer passes a template itself (transformers' apply_chat_template, the engines'): never an argument
+RESERVED_KWARGS = ("messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
+                   "chat_template", "tokenize", "return_dict")
+# the families' thinking switches: a template tests them for truth, so a string ("maybe", "=false") is "on"
+BOOL_KWARGS = ("enable_thinking", "thinking")
+
+
+def _checked_kwargs(kwargs: dict[str, Any], where: str) -> dict[str, Any]:
+    for key, value in kwargs.items():
+        if key in RESERVED_KWARGS:
+            raise DataError(f"{where}: {key!r} is set by the renderer, not a template argument")
+        if key in BOOL_KWARGS and not isinstance(value, bool):
+            raise DataError(f"{where}: {key} must be true or false, got {value!r}")
+    return kwargs
 
 
 def format_kwargs(kwargs: dict) -> str:

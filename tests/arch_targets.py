@@ -268,33 +268,3 @@ def build_target(name: str, out_dir, tokenizer, *, seed: int = 0) -> Path:
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return out
-
-
-# --------------------------------------------------------------------------- the results as a table
-def matrix(junit_xml) -> str:
-    """A markdown table, architecture x stage, from ``pytest tests/test_architectures.py --junitxml=FILE``: each
-    cell ``pass``, ``skip`` or the first line of its failure. A test ``test_STAGE[arch-rest]`` fills row ``arch``,
-    column ``STAGE[rest]``; tests without an architecture are left out."""
-    import xml.etree.ElementTree as ET
-
-    cells: dict[str, dict[str, str]] = {}
-    stages: list[str] = []
-    for case in ET.parse(junit_xml).iter("testcase"):
-        test, _, params = case.get("name", "").partition("[")
-        if not params:
-            continue
-        arch, _, rest = params.rstrip("]").partition("-")
-        stage = test.removeprefix("test_") + (f"[{rest}]" if rest else "")
-        bad = next((case.find(t) for t in ("failure", "error", "skipped") if case.find(t) is not None), None)
-        text = "pass" if bad is None else "skip" if bad.tag == "skipped" else _first_line(bad.get("message", ""))
-        cells.setdefault(arch, {})[stage] = text
-        stages += [stage] if stage not in stages else []
-    rows = ["| arch | " + " | ".join(stages) + " |", "|---" * (len(stages) + 1) + "|"]
-    rows += [f"| {arch} | " + " | ".join(cells[arch].get(s, "") for s in stages) + " |" for arch in cells]
-    return "\n".join(rows)
-
-
-def _first_line(message: str, width: int = 120) -> str:
-    line = (message.strip().splitlines() or ["fail"])[0]
-    line = line if len(line) <= width else line[: width - 3] + "..."
-    return line.replace("|", "\\|")

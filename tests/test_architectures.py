@@ -14,7 +14,7 @@ config classes) through what the project does with a target.
 The prompt (~40 tokens) plus 24 new tokens crosses every sliding window and attention chunk (``WINDOW``), and every
 hybrid decodes through its recurrent layers, so each rejected draft crops caches that cannot simply be cut.
 The table of results: ``pytest tests/test_architectures.py -rA -q`` lists ``test_X[arch...]`` PASSED / FAILED
-with the first line of each failure; ``arch_targets.matrix`` turns a JUnit XML report into a markdown table.
+with the first line of each failure; ``tools/architecture_table.py`` turns a JUnit XML report into the docs' table.
 """
 
 from __future__ import annotations

@@ -43,13 +43,14 @@ def layer_kinds(config) -> dict[str, int]:
     return kinds
 
 
-def _window(config) -> str:
+def _window(config) -> str | None:
+    """``window N`` / ``chunk N`` of the attention layers that see only part of the context; None for none."""
     parts = []
     if getattr(config, "sliding_window", None):
         parts.append(f"window {config.sliding_window}")
     if getattr(config, "attention_chunk_size", None):
         parts.append(f"chunk {config.attention_chunk_size}")
-    return f" ({', '.join(parts)})" if parts else ""
+    return ", ".join(parts) or None
 
 
 def _experts(config) -> int:
@@ -128,7 +129,7 @@ def summary(target) -> dict:
         "architectures": archs,
         "layers": target.num_layers,
         "kinds": layer_kinds(cfg),
-        "window": _window(cfg).strip(" ()") or None,
+        "window": _window(cfg),
         "experts": _experts(cfg),
         "mla": bool(getattr(cfg, "kv_lora_rank", None)),
         "eagle3_layer_ids": _ids(lambda: default_layer_ids(target.num_layers, distinct=True)),

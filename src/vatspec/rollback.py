@@ -37,10 +37,15 @@ class RollbackError(TargetError):
 
 @dataclass(frozen=True)
 class RollbackPlan:
-    """How each kind of cache layer of a target is taken back (``kinds``: layer class name -> how)."""
+    """How each layer of a target's cache is taken back."""
 
-    mode: str  # "crop" | "record" | "replay": the whole cache's way, the most general of its layers'
-    kinds: dict
+    kinds: dict  # layer index -> (layer class name, "crop" | "record" | "replay")
+
+    @property
+    def mode(self) -> str:
+        """The whole cache's way: the most general of its layers' (replay > record > crop)."""
+        ways = {how for _, how in self.kinds.values()}
+        return "replay" if "replay" in ways else "record" if "record" in ways else "crop"
 
     def describe(self) -> str:
         return ", ".join(f"{n} x{c}: {how}" for (n, how), c in _counted(self.kinds))
@@ -93,9 +98,8 @@ def plan(target) -> RollbackPlan:
         raise RollbackError(f"{type(target.model).__name__} returns no cache: its drafts cannot be verified")
     layers = getattr(cache, "layers", None)
     if layers is None:  # a model's own cache class, without transformers' layers
-        how = "crop" if hasattr(cache, "crop") and not _forgets(cache) else "replay"
-        kinds = {0: (type(cache).__name__, how)}
-        result = RollbackPlan(how, kinds)
+        kinds = {0: (type(cache).__name__, "crop" if hasattr(cache, "crop") and not _forgets(cache) else "replay")}
+        result = RollbackPlan(kinds)
     else:
         fed = 3
         if any(_forgets(layer) for layer in layers):
@@ -114,8 +118,7 @@ def plan(target) -> RollbackPlan:
                 kinds[i] = (name, "crop")
             else:
                 kinds[i] = (name, "record" if _records_per_token(layer, fed) else "replay")
-        modes = {how for _, how in kinds.values()}
-        result = RollbackPlan("replay" if "replay" in modes else "record" if "record" in modes else "crop", kinds)
+        result = RollbackPlan(kinds)
     target._rollback_plan = result
     return result
 

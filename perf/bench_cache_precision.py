@@ -40,12 +40,13 @@ def main() -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from recipes.experiment import FEATURE_DTYPE, arm_configs, prepare_training_data, train_lockstep
-    from recipes.recipe import load_recipe
     from vatspec import data as D
+    from vatspec.eval.stats import paired_difference
     from vatspec.features import config_layer_ids, write_cache
-    from vatspec.stats import paired_difference
-    from vatspec.target import open_target, vatspec_home
+    from vatspec.outputs import vatspec_home
+    from vatspec.target import open_target
+    from vatspec_recipes.experiment import FEATURE_DTYPE, arm_configs, prepare_training_data, train_lockstep
+    from vatspec_recipes.recipe import load_recipe
 
     recipe = load_recipe("demo")
     size = dataclasses.replace(recipe.size, precision="bf16")

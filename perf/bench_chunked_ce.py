@@ -26,8 +26,8 @@ def variants(args) -> dict:
     import torch
     from torch.utils.checkpoint import checkpoint
 
-    from vatspec.chunked import chunked_token_ce, head_logits
-    from vatspec.losses import token_ce
+    from vatspec.objective.chunked import chunked_token_ce, head_logits
+    from vatspec.objective.losses import token_ce
 
     g = torch.Generator().manual_seed(0)
     N, H, V, C = args.rows, args.hidden, args.vocab, args.chunk

@@ -1,4 +1,4 @@
-"""Is our decode loop an honest baseline? AR (``vatspec.decode`` without a draft) vs HF
+"""Is our decode loop an honest baseline? AR (``vatspec.eval.decode`` without a draft) vs HF
 ``generate()`` greedy on the default SmolLM2 target, interleaved per prompt; optionally drafters.
 
     .venv/bin/python perf/bench_decode.py                          # AR vs HF generate
@@ -10,7 +10,7 @@ Prints tokens/s of each, the AR / HF ratio (>= 1 means our baseline is not slowe
 for drafters tau, speedup and where a round's time goes: drafting and verifying, each in units
 of one AR step, so ``speedup / tau ~= 1 / (draft + verify)``. Writes the full report with ``--out``.
 
-The timing is ``vatspec.bench.evaluate``'s own, the code under test (what ``vatspec eval`` reports): every
+The timing is ``vatspec.eval.bench.evaluate``'s own, the code under test (what ``vatspec eval`` reports): every
 prompt runs each method once, the order rotating from prompt to prompt (``bench.run_order``), as
 ``timer.SideBySide`` rotates the paths of a round.
 """
@@ -22,9 +22,9 @@ import sys
 
 import torch
 
-from vatspec.bench import AR, HF, evaluate
 from vatspec.drafts import open_draft
-from vatspec.eval_report import round_cost_table, write_report
+from vatspec.eval.bench import AR, HF, evaluate
+from vatspec.eval.report import round_cost_table, write_report
 from vatspec.target import open_target
 
 PROMPTS = [

@@ -35,15 +35,14 @@ from pathlib import Path
 import torch
 from timer import SideBySide
 
-from recipes.experiment import arm_configs
-from recipes.recipe import load_recipe
 from vatspec import data as D
-from vatspec.chunked import TeacherShare
 from vatspec.data import BatchIterator
 from vatspec.drafters import plan_batch
 from vatspec.features import CachedTarget, FeatureCache
-from vatspec.precision import precision_context
-from vatspec.target import open_target, vatspec_home
+from vatspec.objective.chunked import TeacherShare
+from vatspec.outputs import vatspec_home
+from vatspec.target import open_target
+from vatspec.target.precision import precision_context
 from vatspec.train import (
     MIN_SUPERVISED,
     arm_step,
@@ -52,6 +51,8 @@ from vatspec.train import (
     shared_target_pass,
     step_generator,
 )
+from vatspec_recipes.experiment import arm_configs
+from vatspec_recipes.recipe import load_recipe
 
 MODES = {  # --compare -> {mode: (shared teacher, precision, optimizer, loss_on)}
     "teacher": {"alone": (False, "fp32", "adamw", "assistant"), "shared": (True, "fp32", "adamw", "assistant")},

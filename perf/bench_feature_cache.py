@@ -22,20 +22,21 @@ from pathlib import Path
 import torch
 from timer import SideBySide
 
-from recipes.experiment import arm_configs
-from recipes.recipe import load_recipe
 from vatspec import data as D
 from vatspec.drafters import plan_batch
 from vatspec.features import CachedTarget, FeatureCache, config_layer_ids, drafter_layer_ids, write_cache
-from vatspec.target import open_target, vatspec_home
+from vatspec.outputs import vatspec_home
+from vatspec.target import open_target
 from vatspec.train import arm_step, build_arm, pad_id, shared_target_pass, step_generator, tokenize_items
+from vatspec_recipes.experiment import arm_configs
+from vatspec_recipes.recipe import load_recipe
 
 
 def demo_corpus(target, size) -> tuple[Path, str]:
     """The demo's regenerated training set: its cached file, else the same 128 prompts taken from the
     cached 512-prompt regeneration (same prompts, greedy, same token budget), else regenerated."""
-    from recipes.experiment import prepare_training_data
     from vatspec.benchmarks import prepare_prompts
+    from vatspec_recipes.experiment import prepare_training_data
 
     home = vatspec_home() / "demo"
     own = home / f"regen-n{size.prompts}-t{size.regen_tokens}-s{size.seed}.jsonl"

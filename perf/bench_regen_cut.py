@@ -30,12 +30,12 @@ def main() -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from recipes.recipe import load_recipe
     from vatspec.benchmarks import prepare_prompts
     from vatspec.data import regenerate, tokenize_conversation
     from vatspec.data.records import Conversation
     from vatspec.data.regen import longest_first
     from vatspec.target import open_target
+    from vatspec_recipes.recipe import load_recipe
 
     size = load_recipe("demo").size
     target = open_target("default", device="cpu")

@@ -81,12 +81,12 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=1, help="rounds of the three ways")
     args = ap.parse_args()
 
-    from recipes.experiment import REGEN_BATCH
-    from recipes.recipe import load_recipe
     from vatspec.benchmarks import prepare_prompts
     from vatspec.data import regenerate
     from vatspec.data.endpoints import regenerate_endpoints
     from vatspec.target import open_target, prepare_default_target
+    from vatspec_recipes.experiment import REGEN_BATCH
+    from vatspec_recipes.recipe import load_recipe
 
     size = load_recipe("demo").size
     prompts = prepare_prompts(size.prompts, seed=size.seed, max_turns=1, max_chars=600)[: args.n]

@@ -1,4 +1,4 @@
-"""What taking the cache back costs per verify round (``vatspec.rollback``), beside a plain crop.
+"""What taking the cache back costs per verify round (``vatspec.target.rollback``), beside a plain crop.
 
 Random-weight targets of one size, built from transformers' own config classes: a plain Llama (every layer cut
 by ``crop``), a gated delta-net hybrid (Qwen3-Next layout: 3 linear-attention layers to 1 attention), a Mamba
@@ -23,10 +23,10 @@ import time
 import torch
 from timer import SideBySide
 
-from vatspec.decode import generate
 from vatspec.drafters.sampling import Proposal
-from vatspec.rollback import Rollback
+from vatspec.eval.decode import generate
 from vatspec.target import Target
+from vatspec.target.rollback import Rollback
 
 
 class _Tokenizer:

@@ -12,8 +12,8 @@ import argparse
 import torch
 from timer import SideBySide
 
-import vatspec.kernels as T
-from vatspec.kernels import skinny_linear
+import vatspec.eval.kernels as T
+from vatspec.eval.kernels import skinny_linear
 from vatspec.target import open_target
 
 KERNELS = ("linear", "matmul", "auto")

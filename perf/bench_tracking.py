@@ -28,14 +28,15 @@ from pathlib import Path
 
 import torch
 from timer import SideBySide
-
-from recipes.experiment import arm_configs, train_precision
-from recipes.recipe import load_recipe
 from vatspec.commands.demo import with_trackers
-from vatspec.target import open_target, vatspec_home
-from vatspec.tracking import check_installed, parse_report_to
+
+from vatspec.outputs import vatspec_home
+from vatspec.target import open_target
 from vatspec.train import Checkpointer, build_arm, load_training_data, lockstep_key
 from vatspec.train.loop import accumulate, apply_step, peak_memory_mib
+from vatspec.train.tracking import check_installed, parse_report_to
+from vatspec_recipes.experiment import arm_configs, train_precision
+from vatspec_recipes.recipe import load_recipe
 
 
 def main() -> None:

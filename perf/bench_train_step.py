@@ -50,9 +50,9 @@ def main() -> None:
     if args.data:
         data = args.data
     else:
-        from recipes.experiment import prepare_training_data
-        from recipes.recipe import Size
-        from vatspec.target import vatspec_home
+        from vatspec.outputs import vatspec_home
+        from vatspec_recipes.experiment import prepare_training_data
+        from vatspec_recipes.recipe import Size
 
         data = str(prepare_training_data(target, Size(prompts=32, regen_tokens=128), vatspec_home(), False)[0])
     baseline = args.drafter

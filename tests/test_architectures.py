@@ -29,8 +29,8 @@ from tests.arch_targets import ARCHS, WINDOW, build_target, model_class
 from tests.conftest import COUNT_CONVS
 from tests.test_decode import ALPHA, ScriptedDrafter, chi2_pvalue, hf_greedy
 from vatspec.cli import main
-from vatspec.decode import generate, speculative_verify
 from vatspec.drafters.sampling import Proposal, warp_logits
+from vatspec.eval.decode import generate, speculative_verify
 from vatspec.target import Target
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -262,7 +262,7 @@ def test_sampling_has_power(supports, name, monkeypatch):
     def wrong_q(p, draft, q, generator=None):  # q is None in a round with nothing left to draft
         return speculative_verify(p, draft, None if q is None else torch.full_like(q, 1 / q.shape[-1]), generator)
 
-    monkeypatch.setattr("vatspec.decode.speculative_verify", wrong_q)
+    monkeypatch.setattr("vatspec.eval.decode.speculative_verify", wrong_q)
     drafter = table_drafter(ids, dist, target.vocab_size, favour=0.8)
     samples = sample(target, ids, drafter, dist, N_CONTROL, **SAMPLING)
     assert min(pvalues(samples, dist).values()) < ALPHA, pvalues(samples, dist)

@@ -1,5 +1,5 @@
-"""``vatspec eval``: its measurement (``vatspec.bench``: interleaving, bookkeeping, re-measurement), its report
-(``vatspec.eval_report``: tables, intervals, words, files) and the command."""
+"""``vatspec eval``: its measurement (``vatspec.eval.bench``: interleaving, bookkeeping, re-measurement), its report
+(``vatspec.eval.report``: tables, intervals, words, files) and the command."""
 
 from __future__ import annotations
 
@@ -9,12 +9,11 @@ import pytest
 import torch
 
 from tests.test_decode import tiny_target
-from vatspec import bench
-from vatspec import eval_report as report
-from vatspec.bench import AR, HF, evaluate, prompt_ids, run_order
 from vatspec.commands.eval import _relative_to
 from vatspec.drafters.sampling import Proposal
-from vatspec.eval_report import markdown_table, write_report
+from vatspec.eval import bench, report
+from vatspec.eval.bench import AR, HF, evaluate, prompt_ids, run_order
+from vatspec.eval.report import markdown_table, write_report
 
 BOS = 1  # every test prompt starts with it, so the oracle below can rebuild the full sequence
 
@@ -327,7 +326,7 @@ def test_recheck_says_whether_the_chosen_k_held():
 
 
 def test_reports_print_no_nan():
-    from vatspec.stats import Difference, pct
+    from vatspec.eval.stats import Difference, pct
 
     # a change relative to a zero baseline does not exist: "-", never "+nan%" or "inf%"
     assert report.relative_change(0.5, 0.0) != report.relative_change(0.5, 0.0)  # nan

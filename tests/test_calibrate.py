@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from vatspec.calibrate import (
+from vatspec.eval.calibrate import (
     RoundTimings,
     acceptance_survival,
     bootstrap_survival,
@@ -12,7 +12,7 @@ from vatspec.calibrate import (
     measure_round_cost,
     nondecreasing,
 )
-from vatspec.decode import Round, generate
+from vatspec.eval.decode import Round, generate
 
 from .test_decode import PROMPTS, real_drafter, tiny_target
 
@@ -177,9 +177,7 @@ def test_a_load_burst_during_calibration_does_not_choose_a_slower_k():
     import subprocess
     import sys
 
-    from vatspec import bench
-    from vatspec import eval_report as report
-
+    from vatspec.eval import bench, report
     target = tiny_target(vocab=256, layers=4, hidden=256, init=0.02)
     drafter = real_drafter(kind="eagle3", draft_vocab_size=128, ttt_steps=3)(target, None)
     prompts = [[3, 17, 42, 5, 9] * 8, [11, 2] * 10, [60, 61, 62, 63, 1, 7, 7, 30] * 4]

@@ -12,15 +12,15 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from tests.test_export import make_drafter, tamper
-from vatspec.check import (
+from vatspec.cli import main
+from vatspec.eval.check import (
     COLLAPSE_RATIO,
     acceptance_finding,
     check_draft,
     convention_findings,
     measure,
 )
-from vatspec.cli import main
-from vatspec.decode import GenerationResult, Round
+from vatspec.eval.decode import GenerationResult, Round
 from vatspec.export import export_draft
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -129,7 +129,7 @@ def test_measure_counts_acceptance_per_position(monkeypatch, smol_tokenizer_targ
     # three rounds of 3 drafts: accepted 0, 2 and 3 -> position 1 reached 3x accepted 2x, position 2
     # reached 2x accepted 2x, position 3 reached 2x accepted 1x
     rounds = [Round(3, 0, 1, 0.0, 0.0), Round(3, 2, 3, 0.0, 0.0), Round(3, 3, 4, 0.0, 0.0)]
-    monkeypatch.setattr("vatspec.check.generate",
+    monkeypatch.setattr("vatspec.eval.check.generate",
                         lambda *a, **kw: GenerationResult(tokens=[0] * 8, prompt_len=1, rounds=rounds))
     d = make_drafter("eagle3", smol_tokenizer_target)
     m = measure(smol_tokenizer_target, d, [[1, 2]], k=3)

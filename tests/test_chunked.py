@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from tests.conftest import tiny_llama
-from vatspec.chunked import chunked_token_ce, head_logits
 from vatspec.config import load_config
 from vatspec.drafters import build_drafter, plan_batch
 from vatspec.drafters.base import AcceptHead
-from vatspec.losses import token_ce
+from vatspec.objective.chunked import chunked_token_ce, head_logits
+from vatspec.objective.losses import token_ce
 from vatspec.target import Target
 from vatspec.train import TrainModule, arm_step, shared_target_pass, step_generator
 
@@ -63,7 +63,7 @@ def test_chunked_ce_equals_token_ce_values_and_grads(dtype, rtol, softcap, chunk
 @pytest.mark.parametrize("dtype,rtol", [(torch.float64, RTOL64), (torch.float32, RTOL32)])
 @pytest.mark.parametrize("softcap", [None, 3.0])
 def test_chunked_alpha_equals_acceptance_values_and_grads(dtype, rtol, softcap):
-    from vatspec.losses import acceptance
+    from vatspec.objective.losses import acceptance
 
     hidden, weight, p, p_index, labels, gs, gh = _case(dtype)
     ga = torch.randn(hidden.shape[0], dtype=dtype, generator=torch.Generator().manual_seed(1))
@@ -205,7 +205,7 @@ def test_lockstep_arms_share_their_teacher_and_train_the_same(target, monkeypatc
     target side is computed twice (once per drafter kind) instead of four times, three times when
     the soft labels are not kept for later arms, and every arm's loss, parts and gradients are
     exactly those of the arm run alone."""
-    import vatspec.chunked as chunked
+    import vatspec.objective.chunked as chunked
 
     arms = [("eagle3", "eagle3"), ("eagle3", "vat"), ("dflash", "dflash"), ("dflash", "vat")]
     built = []
@@ -252,7 +252,7 @@ def test_lockstep_arms_share_their_teacher_and_train_the_same(target, monkeypatc
 
 def test_chunk_size_is_checked():
     from vatspec.config import ConfigError
-    from vatspec.losses import LossConfig
+    from vatspec.objective.losses import LossConfig
 
     with pytest.raises(ValueError, match="chunk_size"):
         dataclasses.replace(LossConfig(), chunk_size=-1)
@@ -261,7 +261,7 @@ def test_chunk_size_is_checked():
 
 
 def test_sampled_mode_refuses_a_generator_on_another_device(target):
-    from vatspec.chunked import chunked_pass
+    from vatspec.objective.chunked import chunked_pass
 
     cfg = load_config(None, ["drafter.kind=dflash", "drafter.block_size=5", "drafter.num_anchors=4",
                              "loss.verify=sampled"])

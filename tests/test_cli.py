@@ -4,25 +4,36 @@ from __future__ import annotations
 
 import argparse
 import ast
+import re
 from pathlib import Path
 
 import pytest
 
-from vatspec.cli import COMMANDS, command_module, main
+from vatspec.cli import COMMANDS, all_commands, command_module, main
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "vatspec"
 
 
-@pytest.mark.parametrize("name", list(COMMANDS))
+@pytest.mark.parametrize("name", list(all_commands()))
 def test_every_command_is_a_module_with_configure_and_run(name, capsys):
     module = command_module(name)
-    assert module.__name__ == f"vatspec.commands.{name.replace('-', '_')}"
+    want = f"vatspec.commands.{name.replace('-', '_')}" if name in COMMANDS else f"vatspec_recipes.{name}"
+    assert module.__name__ == want
     assert callable(module.configure) and callable(module.run)
     parser = argparse.ArgumentParser(prog=f"vatspec {name}")
     module.configure(parser)
     with pytest.raises(SystemExit) as e:
         main([name, "--help"])
     assert e.value.code == 0 and f"usage: vatspec {name}" in capsys.readouterr().out
+
+
+def test_the_library_never_imports_the_recipes():
+    """Arrows point one way: vatspec_recipes uses vatspec; vatspec finds the recipes' commands and configs
+    through entry points only."""
+    offenders = [str(p.relative_to(SRC)) for p in SRC.rglob("*.py")
+                 if re.search(r"^\s*(from|import) vatspec_recipes\b", p.read_text(), re.M)]
+    assert offenders == []
+    assert {"demo", "ablate"} <= set(all_commands()) and not {"demo", "ablate"} & set(COMMANDS)
 
 
 def test_library_modules_hold_no_command_line_code():
@@ -50,7 +61,7 @@ def test_unknown_command_and_help(capsys):
     assert main(["nope"]) == 2 and "unknown command 'nope'" in capsys.readouterr().err
     assert main([]) == 0
     out = capsys.readouterr().out
-    assert all(name in out for name in COMMANDS)
+    assert all(name in out for name in all_commands())
 
 
 def test_dtype_flags_take_aliases_and_name_the_bad_one(capsys):
@@ -91,7 +102,7 @@ def test_demo_redecode_refuses_a_size_and_needs_a_finished_demo(tmp_path, capsys
 
 def test_demo_sizes_full_and_seeds(capsys):
     """--quick / --full pick the recipe (demo-quick, demo-full: the long recipe); the size flags change it."""
-    from recipes.recipe import load_recipe
+    from vatspec_recipes.recipe import load_recipe
 
     mod = command_module("demo")
     parser = argparse.ArgumentParser()

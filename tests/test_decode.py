@@ -1,4 +1,4 @@
-"""Speculative decoding (``vatspec.decode``) on tiny random targets built in code.
+"""Speculative decoding (``vatspec.eval.decode``) on tiny random targets built in code.
 
 Scripted drafters force known accept patterns (nanochat style), so the loop is tested without a
 trained draft: greedy output must equal HF ``generate``; sampled output must follow the target's
@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from tests.conftest import StubTokenizer
-from vatspec.decode import GenerationResult, generate, greedy_verify, speculative_verify
 from vatspec.drafters.sampling import Proposal, warp_logits
-from vatspec.rollback import plan
+from vatspec.eval.decode import GenerationResult, generate, greedy_verify, speculative_verify
 from vatspec.target import Target, open_target
+from vatspec.target.rollback import plan
 
 # A correct sampler fails one chi-square check with this probability (seeds are fixed, so a given
 # run is deterministic; 1e-3 is the false-alarm rate over the choice of seed).
@@ -194,7 +194,7 @@ def test_tau_bookkeeping_and_cache_rollback():
     max_new = 1 + (5 + 1 + 3) * 2  # prefill token + two cycles of the pattern below
     ref = hf_greedy(base, prompt, max_new)
     drafter = ScriptedDrafter(target, prompt + ref, pattern=[4, 0, 2])
-    plan(target)  # the rollback probe, run once per target (vatspec.rollback), before the lengths are recorded
+    plan(target)  # the rollback probe, run once per target (vatspec.target.rollback), before the lengths are recorded
     target.cache_lens = []
     res = generate(target, prompt, drafter, k=k, max_new_tokens=max_new)
     assert res.tokens == ref
@@ -397,7 +397,7 @@ def test_sampling_check_has_power(monkeypatch):
     def accept_all(p, draft, q, generator=None):
         return draft.shape[0], torch.cat([draft, torch.multinomial(p[-1], 1, generator=generator)])
 
-    monkeypatch.setattr("vatspec.decode.speculative_verify", accept_all)
+    monkeypatch.setattr("vatspec.eval.decode.speculative_verify", accept_all)
     second = torch.tensor([
         generate(target, prompt, drafter, k=1, max_new_tokens=3, temperature=1.0, generator=g).tokens[1]
         for _ in range(N)
@@ -409,9 +409,9 @@ def test_sampling_check_has_power(monkeypatch):
 @pytest.mark.slow
 def test_smollm2_greedy_equals_generate_with_every_drafter():
     """Full-size numerics (49k vocab, 30 layers): outputs equal HF greedy, through an EOS."""
-    from vatspec.bench import prompt_ids
     from vatspec.config import DrafterConfig
     from vatspec.drafters import build_drafter
+    from vatspec.eval.bench import prompt_ids
 
     target = open_target("default", device="cpu", dtype="float32")
     ids = prompt_ids(target.tokenizer, [{"role": "user", "content": "Write a haiku about the sea."}])

@@ -12,9 +12,9 @@ import math
 import pytest
 import torch
 
-from recipes.experiment import redecode, run
-from recipes.recipe import ExperimentError, load_recipe, recipe_size
-from vatspec.precision import native_bf16
+from vatspec.target.precision import native_bf16
+from vatspec_recipes.experiment import redecode, run
+from vatspec_recipes.recipe import ExperimentError, load_recipe, recipe_size
 
 QUICK = load_recipe("demo-quick")
 ARMS = QUICK.arms
@@ -176,9 +176,9 @@ def test_redecode_needs_a_finished_demo(tmp_path):
 
 
 def test_original_answers_follow_the_regenerated_set(tmp_path):
-    from recipes.experiment import add_original_answers
     from vatspec import data as D
     from vatspec.benchmarks import prepare_prompts
+    from vatspec_recipes.experiment import add_original_answers
 
     # a "regenerated" set of the first four conversations the original answers draw: each must be skipped
     drawn = prepare_prompts(4, seed=1, sources=("sharegpt",), max_turns=1, max_chars=600, answers=True)

@@ -219,7 +219,7 @@ def yarn_target(family: str) -> Target:
 
 @pytest.mark.parametrize("family", ["gpt-oss", "deepseek-v3"])
 def test_yarn_draft_rotates_as_the_target_in_training_export_and_check(family, tmp_path):
-    from vatspec.check import convention_findings
+    from vatspec.eval.check import convention_findings
     from vatspec.export import export_draft, import_draft
 
     target = yarn_target(family)

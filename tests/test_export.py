@@ -22,12 +22,12 @@ from safetensors.torch import load_file, save_file
 
 from tests.conftest import StubTokenizer, tiny_llama
 from vatspec.checkpoint import CheckpointError
-from vatspec.decode import generate
 from vatspec.drafters.base import AcceptHead
 from vatspec.drafters.dflash import DFlashConfig, DFlashDrafter
 from vatspec.drafters.eagle3 import Eagle3Drafter
 from vatspec.drafters.vocab import build_draft_vocab
 from vatspec.drafts import open_draft
+from vatspec.eval.decode import generate
 from vatspec.export import (
     ExportError,
     export_draft,

@@ -468,7 +468,7 @@ def test_a_bf16_cache_trains_as_online_bf16_training(tiny_dir, target, data_file
     """precision=bf16 runs the target pass under bfloat16 autocast, as train.precision=bf16 runs it online:
     its features are an autocast forward's (bfloat16 products, a ~1e-2 change from the float32 pass), and
     training from it gives online bf16 training's losses and held-out metrics."""
-    from vatspec.precision import precision_context
+    from vatspec.target.precision import precision_context
 
     c16 = tmp_path / "bf16"
     assert _write(target, data_file, c16, precision="bf16")["precision"] == "bf16"

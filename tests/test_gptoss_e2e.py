@@ -334,7 +334,7 @@ def test_the_cache_and_the_runs_record_the_pinned_date(cache, runs, regen):
 
 def test_check_decodes_past_the_sliding_window(exports, gptoss_dir, regen, capsys):
     # the prompts trained on (single-turn); the long one's prompt and answer run past the 128-token window,
-    # so decoding crops sliding-window cache layers that have already slid (vatspec.rollback)
+    # so decoding crops sliding-window cache layers that have already slid (vatspec.target.rollback)
     prompts = write_jsonl(regen.parent / "check_prompts.jsonl", [p for p in PROMPTS if p["id"] in ("l0", "s0")])
     for folder in exports.values():
         code = main(["check", str(folder), "--target", str(gptoss_dir), "--prompts", str(prompts),
@@ -378,7 +378,7 @@ class _WrongDrafter:
 
 def test_speculative_decoding_crops_the_cache_past_the_window(target):
     from vatspec.data.chat import ChatTemplate
-    from vatspec.decode import generate
+    from vatspec.eval.decode import generate
 
     tok = target.tokenizer
     prompt = tok(ChatTemplate(date=DATE).render(tok, PROMPTS[-1]["messages"], generation_prompt=True),

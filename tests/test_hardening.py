@@ -421,8 +421,8 @@ def test_a_rerun_cuts_metrics_back_to_the_checkpoint(tmp_path, target_dir, runs,
 
 
 def test_the_demo_keeps_the_users_files(tmp_path):
-    from recipes.experiment import prepare_out as _prepare_out
     from vatspec.outputs import owner
+    from vatspec_recipes.experiment import prepare_out as _prepare_out
 
     empty = tmp_path / "empty"
     empty.mkdir()

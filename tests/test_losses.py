@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from vatspec.drafters.base import DraftOutput
-from vatspec.losses import (
+from vatspec.objective.losses import (
     ABLATIONS,
     LossConfig,
     _reduce,
@@ -20,7 +20,7 @@ from vatspec.losses import (
     vat_objective,
     vat_weights,
 )
-from vatspec.verify import simulate_verification
+from vatspec.objective.verify import simulate_verification
 
 EXACT = 1e-6  # float32 round-off on O(1) weights and losses
 

@@ -1,4 +1,4 @@
-"""``vatspec.machine.OtherLoad``: the cores other work took while a measurement ran, from the kernel's counters."""
+"""``vatspec.eval.machine.OtherLoad``: the cores other work took while a measurement ran, from the kernel's counters."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from vatspec.machine import OtherLoad, _busy_seconds
+from vatspec.eval.machine import OtherLoad, _busy_seconds
 
 SPIN = "import time\nend = time.perf_counter() + {s}\nwhile time.perf_counter() < end:\n    pass\n"
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from vatspec.drafters.base import DraftOutput
-from vatspec.metrics import MetricAccumulator, chain_metrics
-from vatspec.verify import simulate_verification
+from vatspec.objective.metrics import MetricAccumulator, chain_metrics
+from vatspec.objective.verify import simulate_verification
 
 EXACT = 1e-9  # ratios of small integer counts
 

@@ -13,7 +13,7 @@ import torch
 from tests.test_losses import loop_weights, random_batch
 from vatspec.config import ConfigError, load_config
 from vatspec.drafters.base import AcceptHead
-from vatspec.losses import (
+from vatspec.objective.losses import (
     KINDS,
     LossConfig,
     acceptance,
@@ -28,8 +28,8 @@ from vatspec.losses import (
     tv_loss,
     vat_objective,
 )
-from vatspec.terms import head_alive_logits
-from vatspec.verify import simulate_verification
+from vatspec.objective.terms import head_alive_logits
+from vatspec.objective.verify import simulate_verification
 
 EXACT = 1e-6  # float32 round-off on O(1) values
 LOOP = 2e-5  # float32 tensors against a float64 Python loop over up to 7-way sums of logs
@@ -224,7 +224,7 @@ def test_masked_positions_get_zero_gradient(kind):
     head = torch.randn(out.valid.shape, requires_grad=True)
     loss, parts = vat_objective(out, v, head if cfg.head else None, cfg, d2t=d2t, t2d=t2d)
     loss.backward()
-    from vatspec.losses import hard_targets
+    from vatspec.objective.losses import hard_targets
 
     _, in_vocab = hard_targets(v, d2t, t2d, out.target_logits.shape[-1])
     unsup = ~(out.valid & in_vocab)
@@ -297,8 +297,9 @@ def test_compositions_load_from_the_command_line():
 
 
 def test_arms_parsing_and_a_bad_arm_is_one_clear_error(capsys, tmp_path):
-    from vatspec.cli import main
     from vatspec.commands.ablate import parse_arms, with_baseline
+
+    from vatspec.cli import main
 
     assert parse_arms("vat, kl,dspark") == ["vat", "kl", "dspark"]
     assert with_baseline(["vat", "kl"], "eagle3") == ["eagle3", "vat", "kl"]
@@ -323,8 +324,8 @@ def test_quick_objectives_run_reports_every_arm(tmp_path):
 
     import yaml
 
-    from recipes.experiment import run
-    from recipes.recipe import load_recipe, recipe_size
+    from vatspec_recipes.experiment import run
+    from vatspec_recipes.recipe import load_recipe, recipe_size
 
     size = {**recipe_size("demo-quick"), "steps": 2, "eval_every": 2, "benches": ["gsm8k"], "eval_tokens": 16}
     recipe = load_recipe("objectives", drafter="dflash", arms=["dflash", "lk", "specauf"], size=size)

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from vatspec.config import ConfigError, OptimConfig, load_config
-from vatspec.optim import MuonWithAdamW, build_optimizer
+from vatspec.train.optim import MuonWithAdamW, build_optimizer
 
 
 def _twins(seed=0):
@@ -132,7 +132,7 @@ def test_float32_orthogonalisation_is_torch_s_iteration():
     iteration to float32's, tall and wide."""
     from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS, _zeropower_via_newtonschulz
 
-    from vatspec.optim import newton_schulz_fp32
+    from vatspec.train.optim import newton_schulz_fp32
 
     coef = (DEFAULT_A, DEFAULT_B, DEFAULT_C)
     torch.manual_seed(0)

@@ -11,7 +11,7 @@ import pytest
 from vatspec.cli import main
 from vatspec.config import Config, config_sources
 
-RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
+RECIPES_DIR = Path(__file__).resolve().parents[1] / "src" / "vatspec_recipes" / "configs"
 RECIPES = sorted(RECIPES_DIR.glob("*.yaml"))
 FIELDS = [f"{s.name}.{f.name}" for s in dataclasses.fields(Config)
           for f in dataclasses.fields(getattr(Config(), s.name))]

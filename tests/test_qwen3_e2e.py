@@ -289,8 +289,8 @@ def test_zlab_dflash_loads_the_dflash_export_as_trained(exports, runs, target, m
     import dflash.model as zlab
     from transformers import DynamicCache
 
-    from vatspec.decode import generate
     from vatspec.drafts import open_draft
+    from vatspec.eval.decode import generate
 
     d, _ = open_draft(runs["dflash"], target, device="cpu")
     with warnings.catch_warnings():

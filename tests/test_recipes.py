@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from recipes.experiment import arm_configs
-from recipes.recipe import ExperimentError, load_recipe, recipe_dir
+from vatspec_recipes.experiment import arm_configs
+from vatspec_recipes.recipe import ExperimentError, load_recipe, recipe_dir
 
 RECIPES = sorted(p.stem for p in recipe_dir().glob("*.yaml"))
 
@@ -67,7 +67,7 @@ def test_objectives_must_decode(tmp_path):
 
 def test_a_full_disk_keeps_the_cache_written_so_far(tmp_path, monkeypatch):
     """prepare_features rebuilds a cache written for other settings, never one a full disk interrupted."""
-    import recipes.experiment as E
+    import vatspec_recipes.experiment as E
     from vatspec.features import writer
     from vatspec.features.format import CacheWriteError
 

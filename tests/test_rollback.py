@@ -1,4 +1,4 @@
-"""Rolling the target's cache back after verification, for caches that forget (``vatspec.rollback``).
+"""Rolling the target's cache back after verification, for caches that forget (``vatspec.target.rollback``).
 
 Tiny random targets of the three kinds of layer that forget past states — a gated delta-net hybrid (Qwen3-Next),
 a short-convolution hybrid (LFM2) and chunked attention (Llama-4) — decode with drafts that are rejected at every
@@ -14,9 +14,9 @@ import torch
 
 from tests.conftest import StubTokenizer
 from tests.test_decode import ScriptedDrafter, hf_greedy
-from vatspec.decode import generate
-from vatspec.rollback import Rollback, RollbackError, plan
+from vatspec.eval.decode import generate
 from vatspec.target import Target
+from vatspec.target.rollback import Rollback, RollbackError, plan
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -96,7 +96,7 @@ def test_a_layer_that_keeps_no_per_token_state_is_replayed(monkeypatch):
 
 def test_calibration_timings_leave_the_cache_as_it_was(forgetting):
     """``measure_round_timings`` verifies and drops whole passes again and again on one cache."""
-    from vatspec.calibrate import measure_round_timings
+    from vatspec.eval.calibrate import measure_round_timings
 
     class Fixed:  # drafts the same tokens, whatever it is told
         k, target_layer_ids = 2, (0,)

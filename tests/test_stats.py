@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from vatspec.stats import paired_difference
+from vatspec.eval.stats import paired_difference
 
 
 def test_hand_example_means_and_pooled_ratio():
@@ -57,7 +57,7 @@ def test_bad_input_is_refused():
 
 
 def test_across_seeds_is_the_t_interval_of_the_per_seed_differences():
-    from vatspec.stats import across_seeds
+    from vatspec.eval.stats import across_seeds
 
     d = across_seeds([0.02, 0.04, 0.06], bases=[1.2, 1.2, 1.2])  # the docstring's worked example
     assert d.estimate == pytest.approx(0.04)

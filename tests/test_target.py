@@ -3,18 +3,12 @@ import json
 import pytest
 import torch
 
-import vatspec.kernels as target_mod
+import vatspec.eval.kernels as target_mod
 from tests.conftest import tiny_llama
-from vatspec.kernels import SKINNY_ROWS, SkinnyLinear, frozen_cast, skinny_linear
-from vatspec.target import (
-    DEFAULT_WHEEL,
-    Target,
-    TargetError,
-    default_gguf_path,
-    dtype_name,
-    feature_noise,
-    open_target,
-)
+from vatspec.eval.kernels import SKINNY_ROWS, SkinnyLinear, frozen_cast, skinny_linear
+from vatspec.target import Target, TargetError, dtype_name, open_target
+from vatspec.target.model import DEFAULT_WHEEL, default_gguf_path
+from vatspec.train.arms import feature_noise
 
 
 def test_layer_id_is_output_of_that_decoder_layer(tiny_target):
@@ -236,7 +230,8 @@ def test_heads_only_target_reads_just_the_embedding_and_lm_head(tmp_path):
     (tied or not), the decoder layers hold no weights, and the folder hash is the full target's."""
     from tests.conftest import tiny_llama
     from vatspec.features.format import weights_sha256
-    from vatspec.target import Target, _heads_only_model
+    from vatspec.target import Target
+    from vatspec.target.model import _heads_only_model
 
     for tie in (True, False):
         model = tiny_llama(vocab_size=96, hidden_size=32, layers=4)

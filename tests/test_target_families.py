@@ -99,7 +99,7 @@ def test_nemotron_h_heads_and_embedding_are_found_under_the_checkpoints_names(ne
         assert torch.equal(Target.from_pretrained(nemotron_h_dir, device="meta").input_embedding(), emb)
 
     heads_only_and_meta()
-    monkeypatch.setattr("vatspec.families._renamed_by_transformers", lambda model, keys: {})
+    monkeypatch.setattr("vatspec.target.families._renamed_by_transformers", lambda model, keys: {})
     heads_only_and_meta()  # without transformers' renaming: the one key ending in embeddings.weight of [V, H]
     monkeypatch.undo()
 

@@ -1,4 +1,4 @@
-"""The target summary said when a target is opened (``vatspec.architecture``), and the refusal of a target whose
+"""The target summary said when a target is opened (``vatspec.target.architecture``), and the refusal of a target whose
 cache cannot be taken back, before any work."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from tests.test_rollback import _model
-from vatspec.architecture import describe, engine_support, layer_kinds, summary
 from vatspec.cli import main
-from vatspec.rollback import RollbackError, plan
+from vatspec.target.architecture import describe, engine_support, layer_kinds, summary
+from vatspec.target.rollback import RollbackError, plan
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -35,7 +35,7 @@ def test_layer_kinds_windows_and_engines_from_the_config():
     assert layer_kinds(DeepseekV3Config(num_hidden_layers=2)) == {"attention": 2}
     from transformers import FalconH1Config, GraniteConfig
 
-    from vatspec.architecture import _logits
+    from vatspec.target.architecture import _logits
 
     assert _logits(FalconH1Config(lm_head_multiplier=0.5)) == ["x 0.5"]
     assert _logits(GraniteConfig(logits_scaling=4.0)) == ["x 0.25"]

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from vatspec.bench import prompt_ids
 from vatspec.data import Conversation, DataError, load_template, split_turns, tokenize_conversation
 from vatspec.data.chat import check_settings
+from vatspec.eval.bench import prompt_ids
 
 TEMPLATES = Path(__file__).parent / "fixtures" / "chat_templates"
 DATE = "26 Jul 2024"  # Llama 3.x print a date: fixed, or the rendering changes with the day

@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from tests.conftest import StubTokenizer, tiny_llama
 from tests.test_export import BLOCK, H, L, V, k, make_drafter
-from vatspec.decode import generate
+from vatspec.eval.decode import generate
 from vatspec.export import export_draft
 from vatspec.target import Target
 
@@ -175,7 +175,7 @@ def test_check_catches_the_speculators_converters_missing_embedding(target, tmp_
     `vatspec check` names it, and this project's speculators export does not have the problem."""
     from speculators.convert.eagle.eagle3_converter import Eagle3Converter
 
-    from vatspec.check import convention_findings
+    from vatspec.eval.check import convention_findings
 
     d = make_drafter("eagle3", target)
     hf = export_draft(d, target, tmp_path / "hf")

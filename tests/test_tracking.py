@@ -17,10 +17,9 @@ import pytest
 
 from tests.conftest import COUNT_CONVS
 from tests.test_train import _cfg as train_cfg
-from vatspec import tracking
 from vatspec.cli import main
 from vatspec.config import ConfigError, load_config
-from vatspec.train import train
+from vatspec.train import tracking, train
 
 TRACKERS = tracking.TRACKERS
 FLOAT32_REL = 1e-6  # TensorBoard keeps scalars as float32: 2^-24 ~ 6e-8 relative, with room
@@ -318,9 +317,10 @@ def test_a_tracker_that_is_not_installed_is_refused_in_one_line_before_any_work(
 
 
 def test_demo_and_ablate_arms_log_to_the_trackers_asked_for(tmp_path):
-    from recipes.experiment import arm_configs
-    from recipes.recipe import load_recipe
     from vatspec.commands.demo import with_trackers
+
+    from vatspec_recipes.experiment import arm_configs
+    from vatspec_recipes.recipe import load_recipe
 
     recipe = load_recipe("demo-quick")
     cfgs = arm_configs(with_trackers(recipe, ("tensorboard", "mlflow")).arms, recipe.size, tmp_path / "d.jsonl",

@@ -281,7 +281,7 @@ def test_checkpoint_loads_for_decoding(tiny_target_dir, data_file, tmp_path):
     # baseline (the same loop without a drafter), with drafts proposed
     from safetensors.torch import load_file
 
-    from vatspec.decode import generate
+    from vatspec.eval.decode import generate
 
     files = load_file(tmp_path / "run" / "checkpoints" / "step-000001" / "drafter.safetensors")
     state = drafter.state_dict()
@@ -350,8 +350,8 @@ def test_trained_drafter_decodes_losslessly_with_and_without_early_exit(tiny_tar
                                                                         loss):
     """T = 0 output equals HF generate() greedy for a drafter trained with a head (VAT's, or DSpark's
     confidence head, which the checkpoint opens with its own exit rule), early exit on and off."""
-    from vatspec.decode import generate
     from vatspec.drafts import open_draft
+    from vatspec.eval.decode import generate
     from vatspec.target import Target
 
     cfg = _cfg(tiny_target_dir, data_file, tmp_path / "run", f"drafter.kind={kind}", f"loss.kind={loss}",

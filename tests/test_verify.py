@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from vatspec import verify
-from vatspec.verify import simulate_verification, target_to_draft
+from vatspec.objective import verify
+from vatspec.objective.verify import simulate_verification, target_to_draft
 
 # Sampled vs expected: with S independent draws the mean accept of one position has standard
 # deviation sqrt(a(1-a)/S) <= 0.5/sqrt(S); 5 sigma at S = 4000 is 0.04, so a correct sampler fails

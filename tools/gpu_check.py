@@ -32,13 +32,13 @@ import torch
 
 from vatspec.config import OptimConfig, load_config
 from vatspec.data.batching import Batch
-from vatspec.decode import generate
 from vatspec.drafters import build_drafter, plan_batch
+from vatspec.eval.decode import generate
 from vatspec.features.format import atomic_write
-from vatspec.optim import build_optimizer
-from vatspec.precision import precision_context
 from vatspec.target import Target
+from vatspec.target.precision import precision_context
 from vatspec.train import TrainModule, arm_step, shared_target_pass, step_generator
+from vatspec.train.optim import build_optimizer
 
 # (name, transformers config class, fields): the published 8B geometries; weights are random
 TARGETS = {

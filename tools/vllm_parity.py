@@ -33,9 +33,9 @@ import torch
 
 from vatspec import bench, benchmarks
 from vatspec.config import load_config
-from vatspec.decode import generate
 from vatspec.drafts import open_draft
-from vatspec.stats import paired_difference
+from vatspec.eval.decode import generate
+from vatspec.eval.stats import paired_difference
 from vatspec.target import open_target
 
 HERE = Path(__file__).resolve().parent

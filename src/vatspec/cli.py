@@ -1,6 +1,8 @@
 """The ``vatspec`` command. This file only lists the subcommands; each is a module of
 ``vatspec.commands`` (``prepare-target`` -> ``commands/prepare_target.py``) exposing
-``configure(parser)`` and ``run(args) -> int``.
+``configure(parser)`` and ``run(args) -> int``. Other packages add commands the same way through the
+``vatspec.commands`` entry point group: each entry is a dict ``name -> (module, one-line help)``
+(``vatspec_recipes`` adds ``demo`` and ``ablate`` so; the library never imports it).
 
 It is also the one place where an error meets the user: whatever a command lets through is printed
 as one line, ``vatspec NAME: error: ...``, exit status 2 for an input the user can fix (the
@@ -12,6 +14,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from functools import cache
+from importlib.metadata import entry_points
 
 from vatspec import commands
 
@@ -28,14 +32,29 @@ COMMANDS: dict[str, str] = {
     "export": "write a draft in SGLang / vLLM / speculators format",
     "check": "check a served draft folder the way the engines load it, and measure its acceptance",
     "acceptance": "teacher-forced acceptance of trained drafts on the target's answers to benchmark prompts",
-    "demo": "the main job: baselines vs VAT on the embedded default target",
-    "ablate": "the paper's ablation on one drafter, or (--arms) draft objectives side by side",
 }
+
+
+@cache
+def plugin_commands() -> dict[str, tuple[str, str]]:
+    """The commands installed packages add: name -> (module, one-line help), from the ``vatspec.commands``
+    entry points; a built-in name cannot be taken."""
+    found: dict[str, tuple[str, str]] = {}
+    for ep in entry_points(group="vatspec.commands"):
+        found.update({k: v for k, v in ep.load().items() if k not in COMMANDS})
+    return found
+
+
+def all_commands() -> dict[str, str]:
+    """Every command's one-line help: the built-ins, then the installed packages'."""
+    return {**COMMANDS, **{name: help_ for name, (_, help_) in plugin_commands().items()}}
 
 
 def command_module(name: str):
     """The module of subcommand ``name``."""
-    return importlib.import_module(f"vatspec.commands.{name.replace('-', '_')}")
+    if name in COMMANDS:
+        return importlib.import_module(f"vatspec.commands.{name.replace('-', '_')}")
+    return importlib.import_module(plugin_commands()[name][0])
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error instead of one line")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, help_ in COMMANDS.items():
+    for name, help_ in all_commands().items():
         sub.add_parser(name, help=help_, add_help=False)
     return parser
 
@@ -57,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     if debug:
         argv = argv[1:]
     parser = build_parser()
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in all_commands():
         if argv and argv[0] not in ("-h", "--help"):
             parser.print_usage(sys.stderr)
             print(f"vatspec: unknown command {argv[0]!r}", file=sys.stderr)
@@ -66,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     name, rest = argv[0], argv[1:]
     command = command_module(name)
-    sub = argparse.ArgumentParser(prog=f"vatspec {name}", description=COMMANDS[name])
+    sub = argparse.ArgumentParser(prog=f"vatspec {name}", description=all_commands()[name])
     command.configure(sub)
     sub.add_argument("--debug", action="store_true", help="show the traceback of an error")
     args = sub.parse_intermixed_args(rest)  # overrides may follow flags: `train --resume train.steps=9`

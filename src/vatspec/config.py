@@ -24,7 +24,7 @@ from typing import Any, Literal
 import yaml
 
 from vatspec.drafters import DEFAULT_TTT_STEPS
-from vatspec.losses import LossConfig
+from vatspec.objective.losses import LossConfig
 
 
 class ConfigError(ValueError):
@@ -104,7 +104,7 @@ class DrafterConfig:
 
 @dataclass(frozen=True)
 class OptimConfig:
-    # adamw | muon: Muon on the drafter's hidden matrices, AdamW on the rest (vatspec/optim.py)
+    # adamw | muon: Muon on the drafter's hidden matrices, AdamW on the rest (vatspec/train/optim.py)
     kind: Literal["adamw", "muon"] = "adamw"
     lr: float | None = None  # None = reference: 1e-4 (eagle3), 6e-4 (dflash)
     muon_lr_scale: float = 1.0  # optim.kind=muon: the hidden matrices' lr is lr x this
@@ -138,11 +138,11 @@ class TrainConfig:
     parallel: Literal["ddp", "fsdp"] = "ddp"
     # experiment trackers that get every logged step too (metrics.jsonl is always written): any of tensorboard,
     # wandb, trackio, mlflow, as a list or comma-separated (train.report_to=tensorboard,wandb); each an extra
-    # (pip install 'vatspec[wandb]'). Where each writes: vatspec/tracking.py
+    # (pip install 'vatspec[wandb]'). Where each writes: vatspec/train/tracking.py
     report_to: tuple[str, ...] = ()
 
     def __post_init__(self):
-        from vatspec.tracking import parse_report_to
+        from vatspec.train.tracking import parse_report_to
 
         object.__setattr__(self, "report_to", parse_report_to(self.report_to, "train.report_to"))
 

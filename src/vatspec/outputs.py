@@ -28,6 +28,14 @@ log = logging.getLogger(__name__)
 OWNER = ".vatspec-owner"
 
 
+
+def vatspec_home() -> Path:
+    """Cache directory for converted targets and bundled corpora (``$VATSPEC_HOME``)."""
+    env = os.environ.get("VATSPEC_HOME")
+    if env:
+        return Path(env).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")).expanduser() / "vatspec"
+
 class OutputError(ValueError):
     """An output location that would damage a file, a folder or an input the command does not own."""
 
@@ -157,8 +165,6 @@ def write_lock(path: str | os.PathLike, what: str, command: str, part: str = "")
     import fcntl
     import hashlib
     import socket
-
-    from vatspec.target import vatspec_home
 
     real = str(_real(path))
     folder = vatspec_home() / "locks"

@@ -130,16 +130,16 @@ def check_report_out(path, inputs: dict, ours, what: str) -> None:
 def add_report_to_arg(parser: argparse.ArgumentParser) -> None:
     """``--report-to TRACKER,...``: the experiment trackers that get a command's report (and, for the runners,
     its arms' training runs, as ``train.report_to``); one not installed is refused before any work."""
-    from vatspec.tracking import TRACKERS
+    from vatspec.train.tracking import TRACKERS
 
     parser.add_argument("--report-to", type=report_to_arg, default=(), metavar="TRACKER,...",
                         help=f"also log to these experiment trackers ({', '.join(TRACKERS)}; each an extra: pip "
-                             "install 'vatspec[NAME]'); where each writes: vatspec/tracking.py")
+                             "install 'vatspec[NAME]'); where each writes: vatspec/train/tracking.py")
 
 
 def report_to_arg(value: str) -> tuple[str, ...]:
     """argparse ``type=`` for ``--report-to``: tracker names, each installed."""
-    from vatspec.tracking import TrackingError, check_installed, parse_report_to
+    from vatspec.train.tracking import TrackingError, check_installed, parse_report_to
 
     try:
         names = parse_report_to(value, "--report-to")

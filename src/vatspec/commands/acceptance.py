@@ -87,7 +87,7 @@ def _run(args: argparse.Namespace) -> int:
         per = [tau(r, lambda i, b=b: bench_of(i) == b) for b in benches]
         print(f"{name:<14} {tau(r):8.3f} " + " ".join(f"{t:10.3f}" for t in per) + "  "
               + " ".join(f"{a:.3f}" for a in r["acc"]))
-    from vatspec.stats import paired_difference
+    from vatspec.eval.stats import paired_difference
 
     for a, b in pairs:
         d = paired_difference(res[a]["accepted"], res[b]["accepted"], res[a]["chains"], res[b]["chains"])
@@ -114,7 +114,7 @@ def per_prompt(run: str | Path, target, convs, where: str | None = None) -> dict
     "acc": [per-position accuracy]}``. ``where`` names the draft in errors."""
     from vatspec import data as D
     from vatspec.config import load_config
-    from vatspec.metrics import MetricAccumulator
+    from vatspec.objective.metrics import MetricAccumulator
     from vatspec.train import CHAINS_KEY, arms_micro_step, build_arm, pad_id, step_generator, tokenize_items
 
     where = where or str(run)

@@ -146,12 +146,12 @@ def _write(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    from vatspec.architecture import describe
     from vatspec.data import adopt_date, check_data_template, load_conversations, recorded_settings, split_turns
     from vatspec.features import drafter_layer_ids, finalize_cache, write_cache
     from vatspec.features.format import manifest_precision
     from vatspec.outputs import write_lock
     from vatspec.target import open_target
+    from vatspec.target.architecture import describe
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))

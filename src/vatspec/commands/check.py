@@ -1,6 +1,6 @@
 """``vatspec check``: any served draft folder (this project's exports or a peer trainer's) checked the
 way the engines load it, and its greedy acceptance on held-out prompts next to training's
-(``vatspec.check``). Exit status 0 when every check passes, 1 when one fails, 2 on bad input.
+(``vatspec.eval.check``). Exit status 0 when every check passes, 1 when one fails, 2 on bad input.
 
     vatspec check served/eagle3-hf --target default [--prompts FILE] [--num-prompts 2]
 """
@@ -15,15 +15,15 @@ from pathlib import Path
 import torch
 
 from vatspec import benchmarks, data
-from vatspec.architecture import describe
-from vatspec.bench import prompt_ids
-from vatspec.check import check_draft
 from vatspec.commands import add_device_args, add_template_args, check_report_out, report, use_template
 from vatspec.data import DataError
 from vatspec.data.chat import adopt_date, format_kwargs
+from vatspec.eval.bench import prompt_ids
+from vatspec.eval.check import check_draft
 from vatspec.export.record import recorded_template
 from vatspec.outputs import OutputError
 from vatspec.target import TargetError, open_target
+from vatspec.target.architecture import describe
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

@@ -1,5 +1,5 @@
 """``vatspec eval``: speculative decoding of each draft against the AR baseline on benchmarks
-(``vatspec.bench`` measures, ``vatspec.eval_report`` writes the report).
+(``vatspec.eval.bench`` measures, ``vatspec.eval.report`` writes the report).
 
     vatspec eval --draft base=runs/e3 --draft vat=runs/e3_vat --bench gsm8k --relative-to vat=base
 """
@@ -14,9 +14,6 @@ from pathlib import Path
 import torch
 
 from vatspec import benchmarks, data
-from vatspec.architecture import describe
-from vatspec.bench import AR, HF, evaluate, prompt_ids
-from vatspec.calibrate import calibrate
 from vatspec.checkpoint import CheckpointError
 from vatspec.commands import (
     add_device_args,
@@ -30,10 +27,13 @@ from vatspec.commands import (
 from vatspec.data import DataError
 from vatspec.data.chat import adopt_date, check_settings
 from vatspec.drafts import open_draft
-from vatspec.eval_report import write_report
+from vatspec.eval.bench import AR, HF, evaluate, prompt_ids
+from vatspec.eval.calibrate import calibrate
+from vatspec.eval.report import write_report
 from vatspec.export.record import recorded_template
 from vatspec.outputs import OutputError, check_apart, check_folder, claim_folder
 from vatspec.target import TargetError, open_target
+from vatspec.target.architecture import describe
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -69,7 +69,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-plots", action="store_true")
     parser.add_argument("--out", default="runs/eval", help="output folder (new, empty, or an earlier eval's)")
     add_device_args(parser)
-    add_report_to_arg(parser)  # the experiment trackers (vatspec/tracking.py)
+    add_report_to_arg(parser)  # the experiment trackers (vatspec/train/tracking.py)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -142,7 +142,7 @@ def _run(args: argparse.Namespace) -> int:
     print(paths["markdown"].read_text())
     print("wrote " + ", ".join(str(p) for p in paths.values()))
     if args.report_to:  # the report's table and plots, one tracked run named after --out
-        from vatspec.tracking import log_report
+        from vatspec.train.tracking import log_report
 
         log_report(args.report_to, Path(args.out), [p for p in paths.values() if p.suffix in (".md", ".png")],
                    results["config"])

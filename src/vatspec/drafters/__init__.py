@@ -114,7 +114,7 @@ def drafter_from_dict(kind: str, config: dict, target, *, source: str = "drafter
 def plan_batch(drafter, batch, cfg, generator: torch.Generator | None, *, with_logits: bool = True) -> DrafterPlan:
     """EAGLE-3 needs target logits everywhere; DFlash samples anchors and needs logits only
     at the positions its blocks predict. ``with_logits=False``: the drafter returns its hidden state
-    and lm_head instead of logits (the chunked loss path, ``vatspec.chunked``)."""
+    and lm_head instead of logits (the chunked loss path, ``vatspec.objective.chunked``)."""
     kwargs = {} if with_logits else {"with_logits": False}
     if drafter.kind == "dflash":
         anchors = drafter.sample_anchors(batch, cfg.num_anchors, generator)

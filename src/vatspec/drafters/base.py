@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 # a drafter's linears: plain nn.Linear in training (many rows); a decode step's few rows take the faster kernel
 # of this CPU (measured: plain linears raised a demo round's draft cost from 0.08 to 0.12 AR steps for EAGLE-3)
-from vatspec.kernels import SkinnyLinear as Linear
+from vatspec.eval.kernels import SkinnyLinear as Linear
 
 
 @dataclass

@@ -279,9 +279,9 @@ class DFlashDrafter(nn.Module):
         Returns logits ``[B, A, k, V]`` (float32), hidden ``[B, A, k, H]`` = the drafter's last
         hidden state after the final norm (the accept head's input), target_logits ``[B, A, k, V]``
         (the target's logits at anchor + j - 1, i.e. predicting the token at anchor + j), valid
-        ``[B, A, k]``. ``with_logits=False`` (the chunked loss path, ``vatspec.chunked``): no logits and
+        ``[B, A, k]``. ``with_logits=False`` (the chunked loss path, ``vatspec.objective.chunked``): no logits and
         no gathered target logits; ``lm_head`` is the target's lm_head weight (``logit_scale`` and
-        ``softcap`` what its forward does after it: ``vatspec.families.logit_transform``), ``target_logits``
+        ``softcap`` what its forward does after it: ``vatspec.target.families.logit_transform``), ``target_logits``
         the target's rows ``tout.logits`` ([N, V], or [B, T, V] as [B*T, V]; or, run without logits,
         ``tout.hidden`` as [B*T, H] with ``target_head`` = the target's ``logits``) and ``target_index
         [B, A, k]`` the row each position reads.

@@ -381,7 +381,7 @@ class Eagle3Drafter(nn.Module):
                                         tokens, label position t+2+i < T, attention_mask and
                                         loss_mask true there
         Whether the target's argmax lies in the draft vocabulary is left to the losses (t2d).
-        ``with_logits=False`` (the chunked loss path, ``vatspec.chunked``): no logits and no padded
+        ``with_logits=False`` (the chunked loss path, ``vatspec.objective.chunked``): no logits and no padded
         copy; ``lm_head`` is the lm_head weight, ``target_logits`` is ``tout.logits`` as rows
         [B*T, V] (or, when the target ran without logits, ``tout.hidden`` as rows [B*T, H_t] with
         ``target_head`` = the target's ``logits``) and ``target_index`` [B, T', k] = b*T + t + 1 + i

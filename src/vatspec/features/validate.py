@@ -83,7 +83,7 @@ def validate_cache(root: str | Path, target=None, *, sample: int = 4, seed: int 
 @torch.no_grad()
 def _compare(cache: FeatureCache, target, rows: list[int], rep: ValidationReport) -> float:
     """Fresh forward of each row alone; per tensor, the relative error against the cached one."""
-    from vatspec.precision import precision_context
+    from vatspec.target.precision import precision_context
 
     # a pass in bfloat16 products (target dtype or autocast) rounds as they do, whatever the storage
     tol = max(TOLERANCE[cache.manifest["dtype"]], TOLERANCE.get(cache.manifest["target"]["dtype"], 0.0),

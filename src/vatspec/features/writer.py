@@ -274,7 +274,7 @@ def _compute_shard(target, examples, first_row: int, layer_ids, sdt, precision: 
                    bar):
     """The shard's tensors (conversations in data order) and its index rows."""
     from vatspec import data as D
-    from vatspec.precision import precision_context
+    from vatspec.target.precision import precision_context
 
     lengths = [len(e) for e in examples]
     offsets = [0]

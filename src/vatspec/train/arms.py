@@ -14,19 +14,19 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from vatspec.chunked import TeacherShare, chunked_pass
 from vatspec.config import Config, OptimConfig, dump_config
 from vatspec.drafters import DrafterPlan, build_drafter, plan_batch
 from vatspec.drafters.base import AcceptHead
-from vatspec.losses import vat_objective
-from vatspec.metrics import MetricAccumulator, chain_metrics
-from vatspec.optim import build_optimizer
-from vatspec.precision import precision_context
-from vatspec.target import TargetOutput, feature_noise
-from vatspec.terms import head_alive_logits
+from vatspec.objective.chunked import TeacherShare, chunked_pass
+from vatspec.objective.losses import vat_objective
+from vatspec.objective.metrics import MetricAccumulator, chain_metrics
+from vatspec.objective.terms import head_alive_logits
+from vatspec.objective.verify import simulate_verification
+from vatspec.target import TargetOutput
+from vatspec.target.precision import precision_context
 from vatspec.train.data import pad_id
 from vatspec.train.errors import TrainError
-from vatspec.verify import simulate_verification
+from vatspec.train.optim import build_optimizer
 
 REFERENCE = {  # the reference recipes' optimiser defaults per drafter (EAGLE-3, DFlash)
     "eagle3": {"lr": 1e-4, "warmup_ratio": 0.015, "grad_clip": 0.5},
@@ -51,6 +51,20 @@ class TrainModule(nn.Module):
             return out, None
         return out, self.head(out.hidden if self.head_grad else out.hidden.detach())  # [..., k]
 
+
+
+def feature_noise(features: torch.Tensor, sigma: float, n_layers: int, generator: torch.Generator) -> torch.Tensor:
+    """``features`` [B, T, n*H] plus Gaussian noise with standard deviation ``sigma`` times each
+    layer's per-token RMS (the captured layers' outputs differ in scale, so one absolute scale would
+    drown one and miss another). A training-time regulariser
+    (``train.feature_noise``); returns a new tensor in ``features``' dtype."""
+    B, T, nH = features.shape
+    if nH % n_layers:
+        raise ValueError(f"feature_noise: features width {nH} is not a multiple of {n_layers} layers")
+    x = features.float().reshape(B, T, n_layers, nH // n_layers)  # [B, T, n, H]
+    rms = x.pow(2).mean(-1, keepdim=True).sqrt()  # [B, T, n, 1]
+    z = torch.randn(x.shape, generator=generator, device=x.device)
+    return (x + sigma * rms * z).reshape(B, T, nH).to(features.dtype)
 
 def lr_lambda(total: int, warmup: int, min_ratio: float):
     """Linear warmup to 1, then cosine to ``min_ratio``."""

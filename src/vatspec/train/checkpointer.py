@@ -5,7 +5,7 @@ was read, skipped and dropped), ``metrics.jsonl``, ``checkpoints/``, ``config_hi
 ``--resume-with-changes`` made) and, at the end, ``heldout_chains.json``. Checkpoints are periodic by
 default (``train.save_every``, ``train.save_minutes``), so a killed run resumes exactly; on resume
 ``metrics.jsonl`` is cut back to the checkpoint's step, so each step is logged once. With ``train.report_to``
-the logged steps go to experiment trackers too (``vatspec.tracking``; their run ids in ``trackers.json``).
+the logged steps go to experiment trackers too (``vatspec.train.tracking``; their run ids in ``trackers.json``).
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ import yaml
 from vatspec import checkpoint as ckpt_io
 from vatspec.config import Config
 from vatspec.outputs import OutputError, check_apart, check_folder, claim_folder, mark_folder, owner, write_lock
-from vatspec.tracking import Trackers, TrackingError, check_installed, open_trackers
 from vatspec.train import dist as D
 from vatspec.train.arms import Arm
 from vatspec.train.errors import TrainError
+from vatspec.train.tracking import Trackers, TrackingError, check_installed, open_trackers
 
 # fields a resumed run may change: they say where, how often and how much to save or log, not what is computed
 RESUME_FREE = ("target.device", "target.device_map", "train.out_dir", "train.log_every", "train.eval_every",

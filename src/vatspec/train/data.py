@@ -37,8 +37,8 @@ def load_training_data(cfgs: list[Config], target=None, *, device, rank: int = 0
     """Read, render, split and tokenize ``cfgs[0].data`` (shared by the arms), loading the target unless given
     (from a feature cache only its embedding and lm_head). This rank's share of the training examples is
     batched in the seeded order every rank shares."""
-    from vatspec.architecture import describe
     from vatspec.target import open_target
+    from vatspec.target.architecture import describe
 
     base = cfgs[0]
     dcfg = base.data

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from vatspec.config import Config, resolve_hardware
-from vatspec.metrics import MetricAccumulator
+from vatspec.objective.metrics import MetricAccumulator
 from vatspec.train import arms as A
 from vatspec.train import dist as D
 from vatspec.train.checkpointer import Checkpointer

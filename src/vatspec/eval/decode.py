@@ -6,7 +6,7 @@ One loop, in the shape of gpt-fast's ``speculative_decode`` and DFlash's ``dflas
     repeat:   draft   session.extend(new features, new tokens); session.propose(k)  -> d_1..d_k', k' <= k
               verify  target([pending, d_1..d_k'])  in one pass, on the cache
               commit  accepted drafts + one target token (the correction, or the bonus)
-              crop    the target cache back to the committed length (``vatspec.rollback``: any cache)
+              crop    the target cache back to the committed length (``vatspec.target.rollback``: any cache)
 
 ``drafter=None`` is the autoregressive baseline on the same code path: a round drafts nothing and
 verifies only the pending token, so a speedup compares like with like.
@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from vatspec.drafters.sampling import Proposal, warp_logits
-from vatspec.rollback import Rollback
+from vatspec.target.rollback import Rollback
 
 __all__ = [
     "GenerationResult",
@@ -188,7 +188,7 @@ def generate(
     (early exit with ``head`` / ``exit_threshold``). Stops after an EOS (``target.eos_token_ids``,
     kept in the output) or after exactly ``max_new_tokens`` tokens: the last rounds draft fewer
     tokens so no round commits past the limit. ``rollback`` forces how the target's cache drops rejected drafts
-    (``vatspec.rollback``: crop, record or replay; default what the cache can do, cheapest first).
+    (``vatspec.target.rollback``: crop, record or replay; default what the cache can do, cheapest first).
     """
     device = target.device
     ids = torch.as_tensor(prompt_ids, dtype=torch.long, device=device)

@@ -43,7 +43,7 @@ from torch import Tensor
 
 from vatspec.drafters.base import DraftOutput
 from vatspec.drafters.vocab import target_ids
-from vatspec.terms import (
+from vatspec.objective.terms import (
     SCHEDULES,
     acceptance,
     dpace_weights,
@@ -57,7 +57,7 @@ from vatspec.terms import (
     tv_loss,
     vat_weights,
 )
-from vatspec.verify import MODES, Verification, target_to_draft
+from vatspec.objective.verify import MODES, Verification, target_to_draft
 
 KINDS = ("eagle3", "dflash", "vat", "kl", "tv", "lk", "dpace", "specauf", "dspark")
 WEIGHTS = ("fixed", "adaptive", "dpace", "truncated")
@@ -138,7 +138,7 @@ class LossConfig:
                  the kind's own, and for "vat", "tv", "lk", "dpace", "specauf", "dspark" the drafter's.
     chunk_size:  0 = the logits [N, Vd] and target logits [N, V] of all N = chains x k positions at
                  once; C > 0 = the lm_head, CE and verification statistics C positions at a time
-                 (``vatspec.chunked``): same values and gradients, peak memory of C rows instead of
+                 (``vatspec.objective.chunked``): same values and gradients, peak memory of C rows instead of
                  N.
     """
 

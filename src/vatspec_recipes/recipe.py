@@ -1,4 +1,4 @@
-"""Experiment recipes: what ``vatspec.experiment.run`` runs, read from YAML (``recipes/experiments/``).
+"""Experiment recipes: what ``vatspec_recipes.experiment.run`` runs, read from YAML (``experiments/`` beside this file).
 
 A recipe names its size (``Size``: the training set, steps and decoding), its arms (a name and its
 ``vatspec train`` overrides each), the pairs compared (an arm -> the arm it is measured against), how
@@ -80,7 +80,7 @@ REPORTS = ("demo", "ablation", "objectives")
 class Recipe:
     name: str
     title: str
-    report: str  # which report ``vatspec.report`` writes: demo, ablation, objectives
+    report: str  # which report ``vatspec_recipes.report`` writes: demo, ablation, objectives
     size: Size
     arms: dict[str, tuple[str, ...]]  # report name -> its `vatspec train` overrides
     pairs: dict[str, str] = field(default_factory=dict)  # arm -> the arm it is compared with

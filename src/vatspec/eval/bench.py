@@ -1,5 +1,5 @@
 """Acceptance length tau and wall-clock speedup of drafters, per benchmark: what ``vatspec eval`` measures
-(``vatspec.eval_report`` writes it up).
+(``vatspec.eval.report`` writes it up).
 
     results = evaluate(target, {"eagle3": (drafter, head)}, {"gsm8k": prompts}, temperature=0.0,
                        max_new_tokens=256, warmup=1, seed=0)
@@ -7,7 +7,7 @@
 
 Measurement protocol
 --------------------
-* One process, one target, batch size 1 (``vatspec.decode``).
+* One process, one target, batch size 1 (``vatspec.eval.decode``).
 * Every method, the autoregressive baseline ``ar`` (the same decode loop without a drafter) and HF
   ``generate()`` greedy (``hf_generate``, to show the baseline is honest) run on every prompt,
   interleaved: prompt i runs all of them back to back, in an order rotated by i (``run_order``),
@@ -31,8 +31,8 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from vatspec.decode import generate
-from vatspec.machine import BUSY, OtherLoad
+from vatspec.eval.decode import generate
+from vatspec.eval.machine import BUSY, OtherLoad
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from vatspec.drafters.base import DraftOutput
-from vatspec.verify import Verification, draft_to_target
+from vatspec.objective.verify import Verification, draft_to_target
 
 
 def _leading_ones(x: Tensor) -> Tensor:

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from vatspec.verify import Verification, draft_to_target
+from vatspec.objective.verify import Verification, draft_to_target
 
 SCHEDULES = ("eagle3", "dflash")
 # D-PACE's floor a in s_i = (1 - a) exp(-CE_i) + a (the D-PACE paper's value)

@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from vatspec.decode import generate
 from vatspec.drafters.layers import rope_parameters
 from vatspec.drafters.vocab import check_draft_vocab
+from vatspec.eval.decode import generate
 from vatspec.export.formats import CONFIG, MASK_FILE, ExportError, detect_format, read_json, served_layer_ids
 from vatspec.export.read import embedding_matches, import_draft, load_accept_head
 from vatspec.export.record import RECORD, read_record, target_fingerprint

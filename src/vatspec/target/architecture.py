@@ -2,7 +2,7 @@
 
 A draft trainer that reads a target generically must still say what it found, before hours of work: the kinds of
 decoder layer (full, sliding or chunked attention, linear attention / SSM / convolution, MoE, MLA), the layers
-the drafters read, how verification takes the cache back (``vatspec.rollback``), the RoPE scaling, the
+the drafters read, how verification takes the cache back (``vatspec.target.rollback``), the RoPE scaling, the
 transforms the model applies to its logits, and whether the serving engines run EAGLE-3 and DFlash drafts for
 the architecture at all (``engine_support.json``, read from the engines' own sources by
 ``tools/engine_support.py``).
@@ -68,7 +68,7 @@ def _experts(config) -> int:
 def engine_support() -> dict:
     """``engine_support.json``: per engine, its version and the architectures whose targets it runs EAGLE-3 and
     DFlash drafts for."""
-    return json.loads(resources.files("vatspec").joinpath("engine_support.json").read_text())
+    return json.loads(resources.files("vatspec.target").joinpath("engine_support.json").read_text())
 
 
 def _engines(architectures: list[str]) -> dict[str, dict[str, bool]]:
@@ -98,7 +98,7 @@ def _served_architectures(target) -> list[str]:
 
 def _logits(config) -> list[str]:
     """What the model's forward does to ``lm_head(hidden)`` (``families.logit_transform``), in words."""
-    from vatspec.families import logit_transform
+    from vatspec.target.families import logit_transform
 
     scale, cap = logit_transform(config)
     return ([f"x {scale:g}"] if scale != 1.0 else []) + ([f"soft-cap {cap:g}"] if cap else [])
@@ -117,7 +117,7 @@ def summary(target) -> dict:
     from vatspec.drafters.dflash_config import default_target_layer_ids
     from vatspec.drafters.eagle3 import default_layer_ids
     from vatspec.drafters.layers import rope_parameters
-    from vatspec.rollback import plan
+    from vatspec.target.rollback import plan
 
     cfg = target.config
     full_cfg = target.model.config

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from vatspec.target import TargetError
+from vatspec.target.model import TargetError
 
 __all__ = ["Rollback", "RollbackError", "RollbackPlan", "plan"]
 

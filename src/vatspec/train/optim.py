@@ -113,7 +113,7 @@ def build_optimizer(module: nn.Module, optim_cfg, precision: str = "fp32") -> to
         raise ValueError("optim.kind=muon: the drafter has no hidden matrices (attention / MLP projections, fc)")
     muon = torch.optim.Muon(hidden, lr=optim_cfg.lr * optim_cfg.muon_lr_scale, weight_decay=optim_cfg.weight_decay,
                             adjust_lr_fn="match_rms_adamw")
-    from vatspec.precision import native_bf16
+    from vatspec.target.precision import native_bf16
 
     return MuonWithAdamW(muon, torch.optim.AdamW(rest, betas=optim_cfg.betas, **kw),
                          fp32_orthogonalise=not native_bf16(hidden[0].device))

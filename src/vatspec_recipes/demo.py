@@ -1,6 +1,6 @@
 """``vatspec demo``: baselines vs VAT for both drafters on the embedded default target, written as a
 report folder: the recipe ``demo`` (``--quick``: ``demo-quick``; ``--full``: ``demo-full``, the long
-recipe) run by ``recipes.experiment.run``; ``--recipe`` runs any other experiment recipe.
+recipe) run by ``vatspec_recipes.experiment.run``; ``--recipe`` runs any other experiment recipe.
 
     vatspec demo [--quick | --full] [--seeds N] [--original-answers N] [--out reports/demo]
     vatspec demo --recipe recipes/experiments/my-arms.yaml --out reports/mine
@@ -16,9 +16,9 @@ import logging
 import sys
 from pathlib import Path
 
-from recipes import experiment
-from recipes.recipe import ExperimentError, load_recipe
 from vatspec.commands import add_report_to_arg, int_arg, report
+from vatspec_recipes import experiment
+from vatspec_recipes.recipe import ExperimentError, load_recipe
 
 SIZE_FLAGS = ("steps", "prompts", "eval_prompts", "seeds", "original_answers", "precision")
 
@@ -86,7 +86,7 @@ def with_trackers(recipe, report_to: tuple[str, ...]):
 def report_to_trackers(args: argparse.Namespace, summary: dict) -> None:
     """The report folder's tables and plots to ``--report-to``'s trackers (one run named after ``--out``)."""
     if args.report_to:
-        from vatspec.tracking import log_report, report_files
+        from vatspec.train.tracking import log_report, report_files
 
         out = Path(args.out)
         log_report(args.report_to, out, report_files(out), {k: summary[k] for k in ("recipe", "size")})
@@ -103,10 +103,10 @@ def size_changes(args: argparse.Namespace) -> dict:
 
 
 def show_steps(command: str) -> None:
-    """Print the runner's step log (``recipes.experiment``) on stderr as ``[vatspec COMMAND HH:MM:SS] ...``."""
+    """Print the runner's step log (``vatspec_recipes.experiment``) on stderr as ``[vatspec COMMAND HH:MM:SS] ...``."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter(f"[vatspec {command} %(asctime)s] %(message)s", "%H:%M:%S"))
-    logger = logging.getLogger("recipes.experiment")
+    logger = logging.getLogger("vatspec_recipes.experiment")
     logger.handlers[:] = [handler]
     logger.setLevel(logging.INFO)
     logger.propagate = False

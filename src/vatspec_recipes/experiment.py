@@ -19,7 +19,7 @@ The run, on the embedded default target:
 4. decoding of the held-out bundled benchmarks at temperature 0, interleaved with the autoregressive
    baseline, at a k chosen on held-out training prompts (``decode``: ``per_pair``, each pair at its
    baseline's k; ``one_k``, every arm at the first arm's; ``none``, no decoding);
-5. the report (``vatspec.report``) and the JSON behind it.
+5. the report (``vatspec_recipes.report``) and the JSON behind it.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from pathlib import Path
 
 import torch
 
-from recipes.recipe import ExperimentError, Recipe, Size
-from recipes.report import slug
+from vatspec_recipes.recipe import ExperimentError, Recipe, Size
+from vatspec_recipes.report import slug
 
 log = logging.getLogger(__name__)  # the steps as they run; the commands print them to stderr
 
@@ -119,7 +119,7 @@ def prepare_features(target, data_path: Path, cfgs, progress: bool = True) -> tu
 
 def train_precision(size: Size) -> str:
     """``size.precision``, "auto" resolved for the CPU the runner trains on (``precision.native_bf16``)."""
-    from vatspec.precision import native_bf16
+    from vatspec.target.precision import native_bf16
 
     if size.precision == "auto":
         return "bf16" if native_bf16(torch.device("cpu")) else "fp32"
@@ -180,7 +180,8 @@ def runs_dir(out: Path, size: Size, seed: int) -> Path:
 # ----------------------------------------------------------------------------- the runner
 def run(recipe: Recipe, out: Path, *, threads: int | None = None, progress: bool = True) -> dict:
     """Steps 1-5 of the module's docstring for ``recipe``, into the report folder ``out``; the summary."""
-    from vatspec.target import open_target, vatspec_home
+    from vatspec.outputs import vatspec_home
+    from vatspec.target import open_target
     from vatspec.train import CHAINS_KEY
 
     t_start = time.perf_counter()
@@ -281,10 +282,10 @@ def decode_and_report(recipe: Recipe, out: Path, target, cfgs: dict, trained: di
                       t_start: float, progress: bool = True) -> dict:
     """Steps 4-5: decode every trained arm (``cfgs``: result name -> its run config) at its calibrated k, then
     the summary and the report. ``trained``: the data and training figures of steps 2-3."""
-    from recipes import report
-    from vatspec import bench
     from vatspec.benchmarks import load_benchmark
     from vatspec.drafts import open_draft
+    from vatspec.eval import bench
+    from vatspec_recipes import report
 
     size, results = recipe.size, None
     t = time.perf_counter()
@@ -324,9 +325,9 @@ def choose_k(recipe: Recipe, target, methods: dict, cfgs: dict) -> dict[str, dic
     size = recipe.size
     if not size.calibration_prompts:
         return {}
-    from vatspec import bench
     from vatspec import data as D
-    from vatspec.calibrate import calibrate
+    from vatspec.eval import bench
+    from vatspec.eval.calibrate import calibrate
     from vatspec.train import heldout_split
 
     pairs = recipe.seed_pairs()
@@ -356,7 +357,7 @@ def choose_k(recipe: Recipe, target, methods: dict, cfgs: dict) -> dict[str, dic
 def paired_tau_sim(chains: dict[str, list[int] | None], pairs: dict[str, str]) -> dict[str, dict]:
     """Each paired arm's held-out tau_sim difference from the arm it is compared with, chain by chain (both
     are scored on the same held-out chains), with a 95% paired-bootstrap interval."""
-    from vatspec.stats import paired_difference
+    from vatspec.eval.stats import paired_difference
 
     out = {}
     for arm, base in pairs.items():
@@ -369,8 +370,8 @@ def paired_tau_sim(chains: dict[str, list[int] | None], pairs: dict[str, str]) -
 def across_seeds_summary(recipe: Recipe, train_paired: dict, results: dict | None) -> dict:
     """Per paired arm: its per-seed differences (held-out tau_sim per chain, and, decoded, tau per prompt and the
     speedup averaged over benchmarks) and their mean over seeds with a 95% t-interval (``stats.across_seeds``)."""
-    from vatspec.eval_report import paired_tau, speedup_intervals
-    from vatspec.stats import across_seeds
+    from vatspec.eval.report import paired_tau, speedup_intervals
+    from vatspec.eval.stats import across_seeds
 
     seeds = [recipe.names(s) for s in recipe.seeds()]
     speed = speedup_intervals(results, recipe.seed_pairs()) if results is not None else None

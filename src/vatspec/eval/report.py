@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-from vatspec.bench import AR, DISPLAY, HF
-from vatspec.machine import BUSY
+from vatspec.eval.bench import AR, DISPLAY, HF
+from vatspec.eval.machine import BUSY
 
 
 # --------------------------------------------------------------------------- report
@@ -168,7 +168,7 @@ def calibration_lines(calibration: Mapping[str, dict]) -> list[str]:
 def paired_tau(results: dict, method: str, base: str, *, seed: int = 0):
     """``stats.Difference`` of mean per-prompt τ, method - base, over every (benchmark, prompt) both
     ran (paired: the same prompt under both), with a 95% paired-bootstrap interval."""
-    from vatspec.stats import paired_difference
+    from vatspec.eval.stats import paired_difference
 
     a, b = [], []
     for bench, runs in results["runs"][method].items():
@@ -222,7 +222,7 @@ def speedup_intervals(results: dict, pairs: Mapping[str, str] | None = None, *, 
 
     Returns ``{"speedup": {method: {column: Interval}}, "difference": {"A vs B": {"method": A, "vs": B, column:
     Difference}}}``; the estimates equal ``summary``'s speedups (tokens/s pooled per benchmark, then averaged)."""
-    from vatspec.stats import Difference, Interval, bootstrap_stratified
+    from vatspec.eval.stats import Difference, Interval, bootstrap_stratified
 
     methods = [n for n in results["summary"] if n != AR]
     cols = [*results["runs"][AR], "average"]
@@ -382,8 +382,9 @@ def round_cost_table(summary: dict, benches: Sequence[str], methods: Sequence[st
     if cheap:
         lines += ["", f"**The AR baseline ran slow in this run**: {', '.join(cheap)} verified k + 1 tokens in less "
                   f"than {VERIFY_FLOOR:.2f} of the 1-token AR step, which no pass over more tokens can do on a quiet "
-                  "machine. A burst of load hit the AR runs, or the target's few-row kernel was chosen under load "
-                  "(`vatspec.kernels`): the speedups of this run are overstated; measure again on a quiet machine."]
+                  "machine. A burst of load hit the AR runs, or the target's few-row kernel was chosen under "
+                  "load (`vatspec.eval.kernels`): the speedups of this run are overstated; measure again on a "
+                  "quiet machine."]
     return lines
 
 

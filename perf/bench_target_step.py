@@ -13,7 +13,7 @@ import torch
 from timer import SideBySide
 
 import vatspec.eval.kernels as T
-from vatspec.eval.kernels import skinny_linear
+from vatspec.eval.kernels import few_row_kernel, skinny_linear
 from vatspec.target import open_target
 
 KERNELS = ("linear", "matmul", "auto")
@@ -39,7 +39,7 @@ def main() -> None:
             t = SideBySide(KERNELS, repeats=args.reps, warmup=1)  # the warm-up round: auto times its candidates
             for _, order in t.rounds():
                 for kernel in order:
-                    with target.kernel(kernel):
+                    with few_row_kernel(target.model, kind=kernel):
                         with t.time(kernel):
                             target(x, past_key_values=cache, use_cache=True, logits=False)
                         cache.crop(-q)

@@ -5,9 +5,10 @@ import torch
 
 import vatspec.eval.kernels as target_mod
 from tests.conftest import tiny_llama
-from vatspec.eval.kernels import SKINNY_ROWS, SkinnyLinear, frozen_cast, skinny_linear
+from vatspec.eval.kernels import SKINNY_ROWS, SkinnyLinear, few_row_kernel, skinny_linear
 from vatspec.target import Target, TargetError, dtype_name, open_target
 from vatspec.target.model import DEFAULT_WHEEL, default_gguf_path
+from vatspec.target.precision import frozen_cast
 from vatspec.train.arms import feature_noise
 
 
@@ -192,16 +193,17 @@ def test_skinny_linear_equals_f_linear_with_grad(shape, bias, kernel):
     assert torch.allclose(gx, rx, atol=1e-4)
 
 
-def test_the_few_row_kernel_is_the_targets_option_and_computes_the_same(tiny_target):
-    """The target's linears take the kernel the target is set to (a drafter's stay on its own "auto"), the
-    state_dict keys unchanged; a cached decode step over 1..k+1 rows computes the same with the matmul
-    kernel as with F.linear, and ``Target.kernel`` restores the choice after its block."""
+def test_the_few_row_kernel_is_the_decode_loops_and_computes_the_same(tiny_target):
+    """The models keep plain nn.Linear layers; inside ``few_row_kernel`` the target's and the draft's
+    linears (the lm_head included) take the kernel asked, the state_dict keys unchanged, blocks nest, and
+    after the block every layer is a plain nn.Linear again. A cached decode step over 1..k+1 rows computes
+    the same with the matmul kernel as with F.linear."""
     from vatspec.config import DrafterConfig
     from vatspec.drafters import build_drafter
 
     model = tiny_target.model
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    assert linears and all(type(m) is SkinnyLinear and m.kernel == "auto" for m in linears)
+    assert tiny_target.lm_head in linears and all(type(m) is torch.nn.Linear for m in linears)
     drafter = build_drafter(DrafterConfig(kind="eagle3", target_layer_ids=(0, 1, 2), draft_vocab_size=64), tiny_target)
     drafter_linears = [m for m in drafter.modules() if isinstance(m, torch.nn.Linear)]
     keys = set(model.state_dict())
@@ -212,17 +214,19 @@ def test_the_few_row_kernel_is_the_targets_option_and_computes_the_same(tiny_tar
         return [first] + [tiny_target(ids[:, 6:q], past_key_values=first.past_key_values, use_cache=True)
                           for q in (7, 9)]
 
-    with tiny_target.kernel("matmul"):
-        assert all(m.kernel == "matmul" for m in linears) and all(m.kernel == "auto" for m in drafter_linears)
+    with few_row_kernel(model, drafter, None, kind="matmul"):
+        assert all(type(m) is SkinnyLinear and m.kernel == "matmul" for m in linears + drafter_linears)
+        with few_row_kernel(model, kind="linear"):  # nested: the inner choice, then the outer one back
+            assert all(m.kernel == "linear" for m in linears)
+            ref = steps()
+        assert all(m.kernel == "matmul" for m in linears)
         got = steps()
-    assert tiny_target.few_row_kernel == "auto" and all(m.kernel == "auto" for m in linears)
-    with tiny_target.kernel("linear"):
-        ref = steps()
+    assert all(type(m) is torch.nn.Linear and "kernel" not in vars(m) for m in linears + drafter_linears)
     assert set(model.state_dict()) == keys
     for g, r in zip(got, ref, strict=True):
         torch.testing.assert_close(g.logits, r.logits, atol=1e-5, rtol=1e-5)
-    with pytest.raises(ValueError, match="few_row_kernel must be one of"):
-        tiny_target.set_few_row_kernel("fast")
+    with pytest.raises(ValueError, match="few_row_kernel must be one of"), few_row_kernel(model, kind="fast"):
+        pass
 
 
 def test_heads_only_target_reads_just_the_embedding_and_lm_head(tmp_path):

@@ -296,14 +296,9 @@ def generate_rows(target, prompts: list[list[int]], budgets: list[int], *, eos, 
 
     A row that is done leaves the batch once an eighth of the live rows are done (its cache rows are
     dropped: one copy of the cache), so a wide batch costs what its live rows cost, where ``generate``
-    runs every row until the last one ends. The linears run as ``F.linear`` at every row count: the
-    few-row kernel would time itself once for each of the 1-16 row counts a shrinking batch passes
-    (~40 s on the 2-core CPU) to speed up only a batch's last few steps."""
-    with target.kernel("linear"):
-        return _generate_rows(target, prompts, budgets, eos, pad_id, temperature, top_p, generator)
-
-
-def _generate_rows(target, prompts, budgets, eos, pad_id, temperature, top_p, generator) -> list[list[int]]:
+    runs every row until the last one ends. The linears run as ``F.linear`` at every row count (no
+    few-row kernel): that kernel would time itself once for each of the 1-16 row counts a shrinking batch
+    passes, to speed up only a batch's last few steps."""
     device = target.device
     n = len(prompts)
     ids, attn = (t.to(device) for t in left_pad(prompts, pad_id))

@@ -15,9 +15,9 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor, nn
 
-# a drafter's linears: plain nn.Linear in training (many rows); a decode step's few rows take the faster kernel
-# of this CPU (measured: plain linears raised a demo round's draft cost from 0.08 to 0.12 AR steps for EAGLE-3)
-from vatspec.eval.kernels import SkinnyLinear as Linear
+# a drafter's linears are plain: the decode loop gives a step's few rows the faster kernel of this CPU
+# (``vatspec.eval.kernels.few_row_kernel``), for the draft as for the target
+from torch.nn import Linear
 
 
 @dataclass

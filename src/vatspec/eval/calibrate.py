@@ -50,6 +50,7 @@ import numpy as np
 import torch
 
 from vatspec.eval.decode import Round, generate
+from vatspec.eval.kernels import few_row_kernel
 from vatspec.eval.machine import OtherLoad
 from vatspec.target.rollback import Rollback
 
@@ -241,19 +242,20 @@ def measure_round_timings(target, drafter, prompt_ids: Sequence[int], k_max: int
     pieces += [("verify", n, verify(n, capture=True)) for n in range(1, k_max + 2)]
     pieces += [("draft", k, draft(k)) for k in range(k_max + 1)]
     ar, ver, dra = np.zeros(reps), np.zeros((reps, k_max + 2)), np.zeros((reps, k_max + 1))
-    for r in range(-1, reps):  # repetition -1 warms up and is dropped
-        shift = r % len(pieces)
-        for kind, i, run in pieces[shift:] + pieces[:shift]:
-            sync()
-            t0 = time.perf_counter()
-            run()
-            sync()
-            if r >= 0:
-                seconds = time.perf_counter() - t0
-                if kind == "ar":
-                    ar[r] = seconds
-                else:
-                    (ver if kind == "verify" else dra)[r, i] = seconds
+    with few_row_kernel(target.model, drafter):  # the decode loop's kernel, as in ``generate``
+        for r in range(-1, reps):  # repetition -1 warms up and is dropped
+            shift = r % len(pieces)
+            for kind, i, run in pieces[shift:] + pieces[:shift]:
+                sync()
+                t0 = time.perf_counter()
+                run()
+                sync()
+                if r >= 0:
+                    seconds = time.perf_counter() - t0
+                    if kind == "ar":
+                        ar[r] = seconds
+                    else:
+                        (ver if kind == "verify" else dra)[r, i] = seconds
     return RoundTimings(ar, ver, dra)
 
 

@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from vatspec.drafters.sampling import Proposal, warp_logits
+from vatspec.eval.kernels import few_row_kernel
 from vatspec.target.rollback import Rollback
 
 __all__ = [
@@ -178,6 +179,7 @@ def generate(
     exit_threshold: float | None = None,
     generator: torch.Generator | None = None,
     rollback: str | None = None,
+    kernel: str = "auto",
 ) -> GenerationResult:
     """Decode up to ``max_new_tokens`` after ``prompt_ids`` ([T] or [1, T]); batch size 1. One function: the
     round (draft, verify, accept, roll the caches back) is the timed unit, its state and timers shared.
@@ -189,6 +191,8 @@ def generate(
     kept in the output) or after exactly ``max_new_tokens`` tokens: the last rounds draft fewer
     tokens so no round commits past the limit. ``rollback`` forces how the target's cache drops rejected drafts
     (``vatspec.target.rollback``: crop, record or replay; default what the cache can do, cheapest first).
+    ``kernel``: the few-row CPU kernel the target's and the draft's linears run in the loop
+    (``vatspec.eval.kernels.few_row_kernel``: auto, matmul or linear); the models are as before after it.
     """
     device = target.device
     ids = torch.as_tensor(prompt_ids, dtype=torch.long, device=device)
@@ -207,102 +211,103 @@ def generate(
     if max_new_tokens <= 0:
         return result
 
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    is_eos = torch.zeros(target.vocab_size, dtype=torch.bool, device=device)  # [V]
-    is_eos[torch.tensor(target.eos_token_ids, dtype=torch.long, device=device)] = True
-    # Preallocated once: the new tokens (a round may write up to k+1 past n) and the verify input.
-    out = torch.empty(max_new_tokens + k + 1, dtype=torch.long, device=device)
-    block = torch.empty(1, k + 1, dtype=torch.long, device=device)  # [1, k+1] = [pending, d_1..d_k]
+    with few_row_kernel(target.model, drafter, head, kind=kernel):  # this loop's few-row products
+        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        is_eos = torch.zeros(target.vocab_size, dtype=torch.bool, device=device)  # [V]
+        is_eos[torch.tensor(target.eos_token_ids, dtype=torch.long, device=device)] = True
+        # Preallocated once: the new tokens (a round may write up to k+1 past n) and the verify input.
+        out = torch.empty(max_new_tokens + k + 1, dtype=torch.long, device=device)
+        block = torch.empty(1, k + 1, dtype=torch.long, device=device)  # [1, k+1] = [pending, d_1..d_k]
 
-    def next_token(logits: Tensor) -> Tensor:  # [1, V] -> [1]
-        if not sampling:
-            return logits.argmax(-1)
-        probs = warp_logits(logits, temperature, top_k, top_p)
-        return torch.multinomial(probs, 1, generator=generator)[:, 0]
+        def next_token(logits: Tensor) -> Tensor:  # [1, V] -> [1]
+            if not sampling:
+                return logits.argmax(-1)
+            probs = warp_logits(logits, temperature, top_k, top_p)
+            return torch.multinomial(probs, 1, generator=generator)[:, 0]
 
-    sync()
-    t_start = time.perf_counter()
-    # 1. prefill: the prompt's KV cache and layer features; the first new token from the last position
-    tout = target(ids[None], layer_ids=layer_ids, logits=False, use_cache=True)
-    cache = tout.past_key_values
-    undo = Rollback(target, cache, most_fed=k + 1, mode=rollback)
-    out[:1] = next_token(target.logits(tout.hidden[0, -1:]))
-    n = 1  # new tokens so far; out[n-1] is the pending token (committed, not yet run by the target)
-    session = None
-    if drafter is not None:
-        session = drafter.new_session(head=head, exit_threshold=exit_threshold)
-        # position j's features and the token that follows it (the last one is the pending token)
-        new_features, new_tokens = tout.features[0], torch.cat([ids[1:], out[:1]])
-    stop = "eos" if bool(is_eos[out[0]]) else "length"
-    sync()
-    result.prefill_s = time.perf_counter() - t_start
-
-    while n < max_new_tokens and stop != "eos":
-        # 2. draft: hand the last commit to the drafter, then ask for k' <= cap <= k tokens
-        t0 = time.perf_counter()
-        cap = min(k, max_new_tokens - n - 1)  # this round's most drafts: it commits at most cap + 1 tokens
-        q = None
-        if session is not None:
-            session.extend(new_features, new_tokens)
-        if session is not None and cap > 0:
-            proposal = session.propose(
-                cap,
-                temperature=0.0 if draft_argmax else temperature,
-                top_k=top_k,
-                top_p=top_p,
-                generator=generator,
-            )
-            draft = proposal.tokens
-            assert draft.dim() == 1 and draft.shape[0] <= cap, (
-                f"drafter proposed {tuple(draft.shape)} tokens, expected [k'] with k' <= {cap}"
-            )
-            if sampling and not draft_argmax:
-                q = proposal.q
-                if q is None:
-                    raise ValueError(
-                        "temperature > 0 needs the draft's probabilities (Proposal.q), got None; "
-                        "pass draft_argmax=True to verify argmax drafts"
-                    )
-                want = (draft.shape[0], target.vocab_size)
-                assert q.shape == want, f"Proposal.q must be [k', V] = {list(want)}, got {tuple(q.shape)}"
-        else:
-            draft = block[0, 1:1]  # empty [0]
-        drafted = draft.shape[0]  # k'
         sync()
-        t1 = time.perf_counter()
-
-        # 3. verify [pending, d_1..d_k'] in one target pass on the cache
-        x = block[:, : drafted + 1]
-        x[0, 0] = out[n - 1]
-        x[0, 1:] = draft
-        undo.before()
-        tout = target(x, layer_ids=layer_ids, past_key_values=cache, use_cache=True)
-        logits = tout.logits[0]  # [k'+1, V]
-        if sampling:
-            p = warp_logits(logits, temperature, top_k, top_p)  # [k'+1, V]
-            a, new = speculative_verify(p, draft, q, generator)
-        else:
-            a, new = greedy_verify(logits, draft)
-
-        # 4. commit the accepted drafts and the correction / bonus token; stop after an EOS
-        c = a + 1
-        hit = is_eos[new]  # [a+1]
-        if bool(hit.any()):
-            c = int(hit.long().argmax()) + 1
-            stop = "eos"
-        out[n : n + c] = new[:c]
-
-        # 5. take the cache back to the committed positions: prompt + committed tokens except the new pending one
-        undo.drop(x, drafted - a)
-        if session is not None:
-            # positions n-1 .. n-1+a are now committed: their features, and the tokens that follow them
-            new_features, new_tokens = tout.features[0, : a + 1], out[n : n + a + 1]
-        n += c
+        t_start = time.perf_counter()
+        # 1. prefill: the prompt's KV cache and layer features; the first new token from the last position
+        tout = target(ids[None], layer_ids=layer_ids, logits=False, use_cache=True)
+        cache = tout.past_key_values
+        undo = Rollback(target, cache, most_fed=k + 1, mode=rollback)
+        out[:1] = next_token(target.logits(tout.hidden[0, -1:]))
+        n = 1  # new tokens so far; out[n-1] is the pending token (committed, not yet run by the target)
+        session = None
+        if drafter is not None:
+            session = drafter.new_session(head=head, exit_threshold=exit_threshold)
+            # position j's features and the token that follows it (the last one is the pending token)
+            new_features, new_tokens = tout.features[0], torch.cat([ids[1:], out[:1]])
+        stop = "eos" if bool(is_eos[out[0]]) else "length"
         sync()
-        t2 = time.perf_counter()
-        result.rounds.append(Round(drafted, a, c, t1 - t0, t2 - t1))
+        result.prefill_s = time.perf_counter() - t_start
 
-    result.wall_s = time.perf_counter() - t_start
-    result.tokens = out[:n].tolist()
-    result.stop = stop
-    return result
+        while n < max_new_tokens and stop != "eos":
+            # 2. draft: hand the last commit to the drafter, then ask for k' <= cap <= k tokens
+            t0 = time.perf_counter()
+            cap = min(k, max_new_tokens - n - 1)  # this round's most drafts: it commits at most cap + 1 tokens
+            q = None
+            if session is not None:
+                session.extend(new_features, new_tokens)
+            if session is not None and cap > 0:
+                proposal = session.propose(
+                    cap,
+                    temperature=0.0 if draft_argmax else temperature,
+                    top_k=top_k,
+                    top_p=top_p,
+                    generator=generator,
+                )
+                draft = proposal.tokens
+                assert draft.dim() == 1 and draft.shape[0] <= cap, (
+                    f"drafter proposed {tuple(draft.shape)} tokens, expected [k'] with k' <= {cap}"
+                )
+                if sampling and not draft_argmax:
+                    q = proposal.q
+                    if q is None:
+                        raise ValueError(
+                            "temperature > 0 needs the draft's probabilities (Proposal.q), got None; "
+                            "pass draft_argmax=True to verify argmax drafts"
+                        )
+                    want = (draft.shape[0], target.vocab_size)
+                    assert q.shape == want, f"Proposal.q must be [k', V] = {list(want)}, got {tuple(q.shape)}"
+            else:
+                draft = block[0, 1:1]  # empty [0]
+            drafted = draft.shape[0]  # k'
+            sync()
+            t1 = time.perf_counter()
+
+            # 3. verify [pending, d_1..d_k'] in one target pass on the cache
+            x = block[:, : drafted + 1]
+            x[0, 0] = out[n - 1]
+            x[0, 1:] = draft
+            undo.before()
+            tout = target(x, layer_ids=layer_ids, past_key_values=cache, use_cache=True)
+            logits = tout.logits[0]  # [k'+1, V]
+            if sampling:
+                p = warp_logits(logits, temperature, top_k, top_p)  # [k'+1, V]
+                a, new = speculative_verify(p, draft, q, generator)
+            else:
+                a, new = greedy_verify(logits, draft)
+
+            # 4. commit the accepted drafts and the correction / bonus token; stop after an EOS
+            c = a + 1
+            hit = is_eos[new]  # [a+1]
+            if bool(hit.any()):
+                c = int(hit.long().argmax()) + 1
+                stop = "eos"
+            out[n : n + c] = new[:c]
+
+            # 5. take the cache back to the committed positions: prompt + committed tokens except the new pending one
+            undo.drop(x, drafted - a)
+            if session is not None:
+                # positions n-1 .. n-1+a are now committed: their features, and the tokens that follow them
+                new_features, new_tokens = tout.features[0, : a + 1], out[n : n + a + 1]
+            n += c
+            sync()
+            t2 = time.perf_counter()
+            result.rounds.append(Round(drafted, a, c, t1 - t0, t2 - t1))
+
+        result.wall_s = time.perf_counter() - t_start
+        result.tokens = out[:n].tolist()
+        result.stop = stop
+        return result

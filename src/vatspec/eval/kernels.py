@@ -1,16 +1,20 @@
-"""CPU kernels for the target's few-row products and frozen casts (``vatspec.target`` uses them).
+"""The CPU kernel of a decode step's few-row products, chosen by the decode loop.
 
-``skinny_linear``: a decode step's linears run on 1..k+1 rows, where ``F.linear`` (a GEMV or a small-M
-GEMM) is slowest on some CPUs; ``weight @ x.T`` can stream the weight faster. ``auto`` times both once
-per weight shape and row count in this process and keeps the faster (``perf/bench_target_step.py``
-compares them side by side). ``frozen_cast``: a frozen weight's bf16 cast, kept while it is unchanged.
+A decode step's linears run on 1..k+1 rows, where ``F.linear`` (a GEMV or a small-M GEMM) is slowest on
+some CPUs; ``weight @ x.T`` can stream the weight faster. ``auto`` times both once per weight shape and
+row count in this process and keeps the faster (``perf/bench_target_step.py`` compares them side by side).
+The models themselves keep plain ``nn.Linear`` layers: the decode loop swaps them for the block it runs
+
+    with few_row_kernel(target.model, drafter, kind="auto"):
+        ...  # every nn.Linear of both takes the few-row kernel; after the block, each is as before
 """
 
 from __future__ import annotations
 
 import math
 import time
-import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -93,26 +97,6 @@ def skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None, kernel: str = 
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
-_CASTS: dict[tuple[int, torch.dtype], tuple[weakref.ref, int, Tensor]] = {}
-
-
-def frozen_cast(weight: Tensor, dtype: torch.dtype) -> Tensor:
-    """``weight.to(dtype)``, kept while ``weight`` lives unchanged (the same tensor at the same
-    version), for a weight without grad that bf16 autocast would otherwise cast at every call: the
-    target's lm_head ([49152, 576] on SmolLM2) costs ~20 ms a cast on the 2-core CPU, several times
-    per training step. A weight that trains is cast afresh (autocast caches those itself)."""
-    if weight.dtype == dtype or weight.requires_grad:
-        return weight.to(dtype)
-    key = (id(weight), dtype)
-    hit = _CASTS.get(key)
-    if hit is not None and hit[0]() is weight and hit[1] == weight._version:
-        return hit[2]
-    for k in [k for k, (ref, _, _) in _CASTS.items() if ref() is None]:  # drop the casts of freed weights
-        del _CASTS[k]
-    _CASTS[key] = (weakref.ref(weight), weight._version, cast := weight.detach().to(dtype))
-    return cast
-
-
 class SkinnyLinear(nn.Linear):
     """``nn.Linear`` (same parameters and state_dict keys) whose few-row CPU products, a decode
     step's, take the ``kernel`` of ``skinny_linear``; larger batches are unchanged."""
@@ -123,14 +107,28 @@ class SkinnyLinear(nn.Linear):
         return skinny_linear(x, self.weight, self.bias, self.kernel)
 
 
-def use_skinny_linears(model: nn.Module) -> list[SkinnyLinear]:
-    """The target's linears as ``SkinnyLinear`` (the class is swapped in place; parameters, hooks and
-    state_dict stay as they are): a CPU decode step of the target is ~30 x 7 linears on 1..k+1 rows,
-    where ``F.linear`` is slowest. ``perf/bench_target_step.py`` measures a step and a verify pass with
-    each kernel side by side."""
-    out = []
-    for m in model.modules():
-        if type(m) in (nn.Linear, SkinnyLinear):
-            m.__class__ = SkinnyLinear
-            out.append(m)
-    return out
+@contextmanager
+def few_row_kernel(*models: object, kind: str = "auto") -> Iterator[None]:
+    """Inside the block, every ``nn.Linear`` of ``models`` (what is not an ``nn.Module`` skipped: None, a
+    scripted test drafter) is a ``SkinnyLinear`` running
+    ``kind``: its class is swapped in place, so parameters, hooks and state_dict stay as they are; after
+    the block each layer has its class and kernel back. Blocks nest. ``kind``: ``auto`` (the faster,
+    timed once per weight shape and row count in this process), ``matmul`` or ``linear`` (``F.linear``)."""
+    if kind not in KERNELS:
+        raise ValueError(f"few_row_kernel must be one of {KERNELS}, got {kind!r}")
+    saved = []
+    for model in models:
+        for m in model.modules() if isinstance(model, nn.Module) else ():
+            if type(m) in (nn.Linear, SkinnyLinear):
+                saved.append((m, type(m), m.__dict__.get("kernel")))
+                m.__class__ = SkinnyLinear
+                m.kernel = kind
+    try:
+        yield
+    finally:
+        for m, cls, kernel in reversed(saved):
+            m.__class__ = cls
+            if kernel is None:
+                m.__dict__.pop("kernel", None)
+            else:
+                m.kernel = kernel

@@ -42,9 +42,9 @@ from torch import Tensor
 
 from vatspec.drafters.base import DraftOutput
 from vatspec.drafters.vocab import target_ids
-from vatspec.eval.kernels import frozen_cast
 from vatspec.objective.losses import LossConfig, PositionTerms, entropy, hard_labels
 from vatspec.objective.verify import Verification, chain_verification, draft_to_target, position_stats
+from vatspec.target.precision import frozen_cast
 
 
 def head_logits(hidden: Tensor, weight: Tensor, softcap: float | None = None, out: Tensor | None = None) -> Tensor:

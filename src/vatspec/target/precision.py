@@ -1,10 +1,13 @@
-"""Training precision: ``train.precision=bf16`` is bfloat16 autocast over float32 master weights."""
+"""Training precision: ``train.precision=bf16`` is bfloat16 autocast over float32 master weights, and the
+bf16 casts of frozen weights kept while they are unchanged (``frozen_cast``)."""
 
 from __future__ import annotations
 
+import weakref
 from pathlib import Path
 
 import torch
+from torch import Tensor
 
 
 def precision_context(device: torch.device, precision: str):
@@ -25,3 +28,23 @@ def native_bf16(device: torch.device) -> bool:
     except OSError:
         return False
     return bool({"avx512_bf16", "amx_bf16"} & set(flags.split()))
+
+
+_CASTS: dict[tuple[int, torch.dtype], tuple[weakref.ref, int, Tensor]] = {}
+
+
+def frozen_cast(weight: Tensor, dtype: torch.dtype) -> Tensor:
+    """``weight.to(dtype)``, kept while ``weight`` lives unchanged (the same tensor at the same
+    version), for a weight without grad that bf16 autocast would otherwise cast at every call: the
+    target's lm_head ([49152, 576] on SmolLM2) costs ~20 ms a cast on the 2-core CPU, several times
+    per training step. A weight that trains is cast afresh (autocast caches those itself)."""
+    if weight.dtype == dtype or weight.requires_grad:
+        return weight.to(dtype)
+    key = (id(weight), dtype)
+    hit = _CASTS.get(key)
+    if hit is not None and hit[0]() is weight and hit[1] == weight._version:
+        return hit[2]
+    for k in [k for k, (ref, _, _) in _CASTS.items() if ref() is None]:  # drop the casts of freed weights
+        del _CASTS[k]
+    _CASTS[key] = (weakref.ref(weight), weight._version, cast := weight.detach().to(dtype))
+    return cast

@@ -83,6 +83,12 @@ TEMPLATE_SETTINGS = {
     "qwen3-8b-eagle3-vat-thinking.yaml": ("enable_thinking=true", None, 8192),
     "qwen3-8b-eagle3-vat.yaml": ("enable_thinking=false", None, 4096),
 }
+# each VAT recipe's baseline: the same file with the drafter's reference objective (loss.kind) and its own out_dir
+BASELINES = {"gpt-oss-20b-eagle3.yaml": "gpt-oss-20b-eagle3-vat.yaml",
+             "llama3.1-8b-eagle3.yaml": "llama3.1-8b-eagle3-vat.yaml",
+             "qwen3-8b-dflash.yaml": "qwen3-8b-dflash-vat.yaml", "qwen3-8b-eagle3.yaml": "qwen3-8b-eagle3-vat.yaml",
+             "qwen3-8b-eagle3-thinking.yaml": "qwen3-8b-eagle3-vat-thinking.yaml"}
+TEMPLATE_SETTINGS.update({base: TEMPLATE_SETTINGS[vat] for base, vat in BASELINES.items()})
 # the published chat template each recipe's target renders with (tests/fixtures/chat_templates, byte for byte)
 TEMPLATES = Path(__file__).resolve().parent / "fixtures" / "chat_templates"
 PUBLISHED = {"gpt-oss": "openai-gpt-oss-20b.jinja", "llama3.1": "meta-llama-Llama-3.1-8B-Instruct.jinja",
@@ -94,12 +100,13 @@ def test_every_recipe_loads(recipe, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)  # the recipes' relative out_dir and features resolve here
     rows = print_config(["--config", str(recipe)], capsys)
     source = str(recipe)
-    for key in ("target.path", "target.dtype", "data.features", "drafter.kind", "loss.kind", "train.precision",
+    for key in ("target.path", "target.dtype", "data.train", "drafter.kind", "loss.kind", "train.precision",
                 "optim.lr", "data.max_length"):
         assert rows[key][1] == source, key
     assert rows["target.path"][0].startswith("/models/")
     assert rows["target.dtype"][0] == "bfloat16" and rows["train.precision"][0] == "bf16"
-    assert rows["loss.kind"][0] == "vat"
+    assert rows["loss.kind"][0] == ("vat" if recipe.name not in BASELINES else rows["drafter.kind"][0])
+    assert rows["data.features"] == ("''", "default")  # online: the target runs inside training
     assert rows["drafter.target_layer_ids"] == ("null", "default")  # the drafter's reference default
     kwargs, date, max_length = TEMPLATE_SETTINGS[recipe.name]
     assert rows["data.chat_template_kwargs"] == ((kwargs, source) if kwargs else ("''", "default"))
@@ -130,14 +137,22 @@ def test_the_thinking_recipe_changes_only_the_template_the_length_and_the_paths(
     base, thinking = ({k: v for k, v, _ in config_sources(str(p), [])} for p in
                       (RECIPES_DIR / "qwen3-8b-eagle3-vat.yaml", RECIPES_DIR / "qwen3-8b-eagle3-vat-thinking.yaml"))
     changed = {k for k in base if base[k] != thinking[k]}
-    assert changed == {"data.features", "data.max_length", "data.chat_template_kwargs", "train.out_dir"}
+    assert changed == {"data.train", "data.max_length", "data.chat_template_kwargs", "train.out_dir"}
     assert (base["data.chat_template_kwargs"], thinking["data.chat_template_kwargs"]) == (
         "enable_thinking=false", "enable_thinking=true")
     assert thinking["data.max_length"] == 2 * base["data.max_length"] == 8192
 
 
-def test_there_are_the_five_recipes():
-    assert [p.name for p in RECIPES] == ["gpt-oss-20b-eagle3-vat.yaml", "llama3.1-8b-eagle3-vat.yaml",
-                                         "qwen3-8b-dflash-vat.yaml", "qwen3-8b-eagle3-vat-thinking.yaml",
-                                         "qwen3-8b-eagle3-vat.yaml"]
+def test_there_are_the_ten_recipes():
+    assert [p.name for p in RECIPES] == sorted([*BASELINES, *BASELINES.values()])
     assert set(TEMPLATE_SETTINGS) == {p.name for p in RECIPES}
+
+
+@pytest.mark.parametrize("baseline", sorted(BASELINES))
+def test_each_baseline_is_its_vat_recipe_with_the_reference_objective(baseline):
+    base, vat = ({k: v for k, v, _ in config_sources(str(RECIPES_DIR / name), [])}
+                 for name in (baseline, BASELINES[baseline]))
+    changed = {k for k in base if base[k] != vat[k]}  # the loss fields resolved from loss.kind change with it
+    assert {"loss.kind", "train.out_dir"} <= changed
+    assert all(k.startswith("loss.") or k == "train.out_dir" for k in changed)
+    assert (base["loss.kind"], vat["loss.kind"]) == (base["drafter.kind"], "vat")

@@ -220,7 +220,7 @@ def test_exported_key_sets_and_fields_are_the_formats(smol_tokenizer_target, tmp
     assert cfg["eagle_config"] == {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": [1, 3, 4]}
     assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]  # L=8: outputs of 1, 3, 4 = inputs of 2, 4, 5
     assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == \
-        ["accept_head", "config.json", "model.safetensors", "vatspec.json"]
+        ["README.md", "accept_head", "config.json", "model.safetensors", "vatspec.json"]
     assert sorted(p.name for p in (tmp_path / "hf" / "accept_head").iterdir()) == ["config.json", "head.safetensors"]
     meta = json.loads((tmp_path / "hf" / "accept_head" / "config.json").read_text())
     assert (meta["input"], meta["hidden_size"], meta["threshold"]) == ("draft_hidden_post_norm", H, None)

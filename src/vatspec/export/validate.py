@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 
 from vatspec.drafters.vocab import check_draft_vocab
+from vatspec.export.card import CARD
 from vatspec.export.formats import (
     CONFIG,
     CONFIG_KEYS,
@@ -39,7 +40,7 @@ def validate_export(path: str | Path, target=None) -> str:
     bad: list[str] = []
     _check_config(fmt, cfg, bad)
     extra_files = sorted(p.name for p in path.iterdir()) if path.is_dir() else []
-    known = (CONFIG, WEIGHTS, HEAD_DIR, RECORD) + ((MASK_FILE,) if fmt == "dflash" else ())
+    known = (CONFIG, WEIGHTS, HEAD_DIR, RECORD, CARD) + ((MASK_FILE,) if fmt == "dflash" else ())
     extra_files = [n for n in extra_files if n not in known]
     if extra_files:
         bad.append(f"unexpected files {extra_files} (an export holds {', '.join(known)})")

@@ -14,6 +14,7 @@ from torch import Tensor
 from vatspec.drafters.base import HEAD_RULES, AcceptHead
 from vatspec.drafters.dflash import DFlashConfig
 from vatspec.drafters.eagle3 import Eagle3Config
+from vatspec.export.card import write_card
 from vatspec.export.formats import (
     CONFIG,
     DEFAULT_FORMAT,
@@ -146,6 +147,7 @@ def export_draft(
         save_file(state, folder / WEIGHTS, metadata={"format": "pt"})
         user_mode(folder / WEIGHTS)  # an engine in a container runs as another user
         (folder / RECORD).write_text(json.dumps(make_record(drafter, target, training), indent=2) + "\n")
+        write_card(folder, fmt, target.path, drafter.k, Path(out))
         if state_mask is not None:
             torch.save(state_mask, folder / MASK_FILE)
         if head is not None:

@@ -158,7 +158,7 @@ class MetricAccumulator:
         tau_sim:               1 + sum_i prod_{j<=i} cond_acc_j (greedy, bonus token included).
         mean_first_reject:     mean first rejection = mean num_accepted (accepted-prefix length, 0..k)
                                under v's rule; the expectation in expected mode.
-        tokens_per_step:       mean_first_reject + 1 (README.md's tau, bonus token included).
+        tokens_per_step:       mean_first_reject + 1 (docs/evaluation.md's tau, bonus token included).
         accept_hist:           [k + 1] count of chains by num_accepted (greedy / sampled only).
         post_reject_match:     fraction of valid positions after the first rejection where the draft
                                still matches the target (the paper's diagnostic).

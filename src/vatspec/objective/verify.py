@@ -4,7 +4,7 @@ Pure torch, no state. Training turns the result into supervision (``losses.py``)
 diagnostics (``metrics.py``). Shapes: ``...`` are the chain dims, k the drafted positions per chain,
 Vd the draft vocabulary, V the target vocabulary.
 
-Three rules (README.md, "What VAT is"; the paper trains with the first):
+Three rules (docs/training.md, "Objectives"; the paper trains with the first):
 
 - ``greedy``:   position j is accepted iff the draft's argmax, mapped to a target id, equals the
                 target's argmax. A target argmax outside the draft vocabulary can never be matched,
@@ -68,7 +68,7 @@ class Verification:
     @property
     def num_accepted(self) -> Tensor:
         """[...] accepted drafts before the first rejection (0..k); excludes the bonus token, so
-        ``tokens_per_step = num_accepted + 1`` (README.md's tau). Long in greedy / sampled mode;
+        ``tokens_per_step = num_accepted + 1`` (docs/evaluation.md's tau). Long in greedy / sampled mode;
         the expectation ``sum_j prod_{i<=j} alpha_i`` (float) in expected mode."""
         if self.first_reject is not None:
             return self.first_reject

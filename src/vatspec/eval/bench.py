@@ -82,9 +82,9 @@ def run_order(names: Sequence[str], num_prompts: int) -> list[list[str]]:
 
 
 # a run that took this many times its method's median time per round (over the evaluation's prompts) was hit by
-# a burst of load: on a quiet machine the runs of one method stay within ~1.4x of each other (demo runs 30a-d:
-# a round of 35-48 ms for the AR loop over prompts of 37 to 167 tokens); load from other processes is read
-# directly (machine.OtherLoad), so this mark only has to catch what the kernel's counters do not show
+# a burst of load: set above the spread of one method's runs on a quiet machine (the spread measured:
+# docs/LOG.md, "Figures moved out of code comments"); load from other processes is read directly
+# (machine.OtherLoad), so this mark only has to catch what the kernel's counters do not show
 DISTURBED = 1.5
 
 

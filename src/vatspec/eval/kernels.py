@@ -28,7 +28,7 @@ _FASTER: dict[tuple, bool] = {}  # (out, in, rows, dtype, threads) -> weight @ x
 _TIMING_REPS = 7  # best of 7 each after a warm-up, interleaved: separates kernels that differ by > 10%
 # bytes of weight copies one timing cycles through, so the weight streams from memory as in a model pass
 # (the layers' weights together exceed the CPU's caches): a weight timed hot in cache can pick the other
-# kernel (EPYC, [576, 576], 1 row: F.linear 31 against 51 us hot, 113 against 75 us cold)
+# kernel (the timings: docs/LOG.md, "Figures moved out of code comments")
 _STREAM_BYTES = 256 * 2**20
 _MAX_COPIES = 256  # SmolLM2's smallest weight needs 203; a test model's tiny ones would need ~10^5
 
@@ -79,11 +79,11 @@ def skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None, kernel: str = 
 
     With few rows, ``F.linear`` runs a GEMV (1 row) or a small-M GEMM, and which of it and the same
     product as ``weight @ x.T`` is faster depends on the CPU: on the AMD EPYC (Zen 4) machine the
-    matmul streams the weight once over both cores (lm_head [49152, 576]: 1 row 10.7 -> 4.0 ms, 8 rows
-    16.8 -> 8.3 ms), on an Intel Xeon (2.0 GHz, AMX) ``F.linear`` is faster up to ~8 rows (1 row 9.4
-    against 20.3 ms) and the matmul past that (``perf/bench_target_step.py``). So ``kernel="auto"``
-    times both once per weight shape and row count, with the weight out of cache as in a model pass,
-    and keeps the faster. Same values up to float rounding (~1e-6).
+    matmul, which streams the weight once over both cores, won at 1, 2, 4 and 8 rows; on an
+    Intel Xeon with AMX ``F.linear`` won at the fewest rows and the matmul past them
+    (``perf/bench_target_step.py``; the timings: docs/LOG.md, "Figures moved out of code comments").
+    So ``kernel="auto"`` times both once per weight shape and row count, with the weight out of cache
+    as in a model pass, and keeps the faster. Same values up to float rounding (~1e-6).
     """
     rows = x.numel() // x.shape[-1]
     if (kernel == "linear" or x.device.type != "cpu" or rows > SKINNY_ROWS or x.dtype != weight.dtype

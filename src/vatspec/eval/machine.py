@@ -16,8 +16,9 @@ import os
 import time
 from pathlib import Path
 
-# other work above this many cores during a run marks it as measured on a busy machine: a quiet machine's
-# daemons take ~0.01-0.05 of a core; a competing job, one core or more
+# other work above this many cores during a run marks it as measured on a busy machine: well above what a quiet
+# machine's daemons take, well below a competing job's core or more (docs/LOG.md, "Figures moved out of code
+# comments")
 BUSY = 0.25
 # the kernel counts CPU time in ticks of 10 ms, so two counters read around a run may round ~30 ms apart: over
 # a window shorter than this (seconds) that is more than 0.06 of a core, and nothing is said

@@ -346,7 +346,8 @@ def recheck_lines(results: dict, intervals: dict) -> list[str]:
 
 
 # calibration's round cost and the decode's may differ this much (a share of the decode's) on one machine state:
-# the calibration times one prompt's context, the decode every benchmark prompt's (runs 17-30: within 0.1 AR step)
+# the calibration times one prompt's context, the decode every benchmark prompt's (well inside this share in the
+# demo's runs: docs/LOG.md, "Figures moved out of code comments")
 COST_DRIFT = 0.25
 
 

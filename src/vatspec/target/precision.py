@@ -35,9 +35,10 @@ _CASTS: dict[tuple[int, torch.dtype], tuple[weakref.ref, int, Tensor]] = {}
 
 def frozen_cast(weight: Tensor, dtype: torch.dtype) -> Tensor:
     """``weight.to(dtype)``, kept while ``weight`` lives unchanged (the same tensor at the same
-    version), for a weight without grad that bf16 autocast would otherwise cast at every call: the
-    target's lm_head ([49152, 576] on SmolLM2) costs ~20 ms a cast on the 2-core CPU, several times
-    per training step. A weight that trains is cast afresh (autocast caches those itself)."""
+    version), for a weight without grad that bf16 autocast would otherwise cast at every call: a large
+    frozen weight such as the target's lm_head is cast several times per training step, each a
+    measurable share of a CPU step (docs/LOG.md, "Figures moved out of code comments"). A weight that
+    trains is cast afresh (autocast caches those itself)."""
     if weight.dtype == dtype or weight.requires_grad:
         return weight.to(dtype)
     key = (id(weight), dtype)

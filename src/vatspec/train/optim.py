@@ -81,8 +81,8 @@ def newton_schulz_fp32(grad: torch.Tensor, ns_coefficients: tuple[float, float, 
                        eps: float) -> torch.Tensor:
     """torch's Muon orthogonalisation (``torch.optim._muon._zeropower_via_newtonschulz``: the same quintic
     Newton-Schulz iteration, coefficients and normalisation) in float32 instead of bfloat16. A CPU without bf16
-    hardware (no AVX512-BF16 or AMX) emulates bf16 products: there one 1536 x 576 matrix took 7.9 s in bf16 and
-    0.33 s in float32 (1 thread), which made a Muon step of the demo's DFlash draft take ~45 s."""
+    hardware (no AVX512-BF16 or AMX) emulates bf16 products, many times slower than float32 there
+    (docs/LOG.md, "Figures moved out of code comments")."""
     a, b, c = ns_coefficients
     x = grad.float()
     tall = x.size(0) > x.size(1)

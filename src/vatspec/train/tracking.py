@@ -285,7 +285,7 @@ class MLflow(Tracker):
 
     def log(self, step: int, values: dict[str, float]) -> None:
         ms = int(time.time() * 1000)
-        # queued, written by MLflow's logging thread (a synchronous SQLite write costs ~30 ms a step)
+        # queued, written by MLflow's logging thread: a synchronous SQLite write would hold up every step
         self.client.log_batch(self.id, metrics=[self._metric(k, v, ms, step) for k, v in values.items()],
                               synchronous=False)
 

@@ -30,11 +30,12 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from vatspec.data.chat import ChatTemplate, check_settings, first_difference, pin_date
-from vatspec.data.reasoning import reasoning_format
+from vatspec.data.reasoning import ReasoningFormat, reasoning_format
 from vatspec.data.records import Conversation, DataError
 from vatspec.data.regen import (
     RegenStats,
@@ -169,6 +170,40 @@ def _retried(ep: Endpoint, path: str, body: dict | None, retries: int, job: _Job
     raise AssertionError("unreachable")
 
 
+@dataclass(frozen=True)
+class _Run:
+    """What every request of a run carries (``body``) and how its answers are read and checked."""
+
+    model: str
+    tokenizer: Any
+    template: ChatTemplate
+    eos: frozenset[int]
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    seed: int
+    max_prompt_tokens: int
+    max_length: int | None
+    reasoning: str
+    last_turn_only: bool
+    retries: int
+    format: ReasoningFormat | None = None  # the template's reasoning markers
+
+    def body(self, messages: list[dict], max_tokens: int) -> dict:
+        body = {"model": self.model, "messages": [_wire(m) for m in messages], "max_tokens": max_tokens,
+                "temperature": self.temperature}
+        if self.temperature > 0:
+            body.update(top_p=self.top_p, seed=self.seed)
+        kwargs = self.template.kwargs
+        if kwargs:
+            body["chat_template_kwargs"] = kwargs
+            if "reasoning_effort" in kwargs:  # vLLM renders gpt-oss with harmony: it reads the request's own
+                body["reasoning_effort"] = kwargs["reasoning_effort"]
+        if self.template.text is not None:
+            body["chat_template"] = self.template.text
+        return body
+
+
 @dataclass
 class _Job:
     conv: Conversation
@@ -229,8 +264,9 @@ def regenerate_endpoints(
     stats = RegenStats(skipped_done=len(convs) - len(todo))
     if not todo:
         return stats
-    probe = _body(model, [{"role": "user", "content": "Hi"}], 1, temperature, top_p, seed, template)
-    check_endpoints(endpoints, model, probe, retries)
+    run = _Run(model, tokenizer, template, frozenset(eos_ids), max_new_tokens, temperature, top_p, seed,
+               max_prompt_tokens, max_length, reasoning, last_turn_only, retries)
+    check_endpoints(endpoints, model, run.body([{"role": "user", "content": "Hi"}], 1), retries)
     template = pin_date(template, tokenizer, recorded, today=True)  # a resumed file keeps the day it was begun on
     settings = template.settings(tokenizer)
     check_settings(recorded, settings, str(out_path), "this regenerate")
@@ -241,16 +277,13 @@ def regenerate_endpoints(
                     "drops from its text (transformers serve does): without its reasoning parser the reasoning cannot "
                     "be told apart from the answer; prefer a server that returns token ids (vLLM) or parses "
                     "reasoning (--reasoning-parser)", ", ".join(special))
-    gen = dict(format=fmt, model=model, tokenizer=tokenizer, vocab=len(tokenizer), eos=set(eos_ids),
-               max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
-               max_prompt_tokens=max_prompt_tokens, max_length=max_length, template=template, reasoning=reasoning,
-               last_turn_only=last_turn_only, retries=retries)
+    run = replace(run, template=template, format=fmt)
     jobs: queue.Queue = queue.Queue()
     for c in todo:
         jobs.put(c)
     results: queue.Queue = queue.Queue()
     stop = threading.Event()
-    workers = [threading.Thread(target=_worker, args=(ep, jobs, results, stop, gen), daemon=True)
+    workers = [threading.Thread(target=_worker, args=(ep, jobs, results, stop, run), daemon=True)
                for ep in endpoints for _ in range(concurrency)]
     out_path.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -269,7 +302,7 @@ def regenerate_endpoints(
                 elif job.record is None:
                     stats.too_long += 1
                 else:
-                    job.record["meta"].update(chat_template=settings, endpoint=job.endpoint, model=model,
+                    job.record["meta"].update(chat_template=settings, endpoint=job.endpoint, model=run.model,
                                               source=source_sha256(job.conv))
                     f.write(json.dumps(job.record, ensure_ascii=False) + "\n")
                     f.flush()
@@ -296,7 +329,7 @@ def regenerate_endpoints(
     return stats
 
 
-def _worker(ep: Endpoint, jobs: queue.Queue, results: queue.Queue, stop: threading.Event, gen: dict) -> None:
+def _worker(ep: Endpoint, jobs: queue.Queue, results: queue.Queue, stop: threading.Event, run: _Run) -> None:
     while not stop.is_set():
         try:
             conv = jobs.get_nowait()
@@ -304,7 +337,7 @@ def _worker(ep: Endpoint, jobs: queue.Queue, results: queue.Queue, stop: threadi
             return
         job = _Job(conv, endpoint=ep.url)
         try:
-            _run_conversation(ep, job, gen, stop)
+            _run_conversation(ep, job, run, stop)
         except EndpointError as e:
             job.error = str(e)
         except Exception as e:  # noqa: BLE001 - a bad answer fails this conversation, never the run
@@ -312,12 +345,12 @@ def _worker(ep: Endpoint, jobs: queue.Queue, results: queue.Queue, stop: threadi
         results.put(job)
 
 
-def _run_conversation(ep: Endpoint, job: _Job, gen: dict, stop: threading.Event) -> None:
+def _run_conversation(ep: Endpoint, job: _Job, run: _Run, stop: threading.Event) -> None:
     """Answer each user turn and tool result of ``job.conv`` that regeneration answers (``regen_plan``), or only its
     last user turn (``last_turn_only``); sets ``job.record``."""
-    tok, template, tools = gen["tokenizer"], gen["template"], job.conv.tools
+    tok, tools = run.tokenizer, job.conv.tools
     msgs = job.conv.messages
-    if gen["last_turn_only"]:
+    if run.last_turn_only:
         last = max((i for i, m in enumerate(msgs) if m["role"] == "user"), default=None)
         if last is None:
             return
@@ -331,14 +364,13 @@ def _run_conversation(ep: Endpoint, job: _Job, gen: dict, stop: threading.Event)
         history.append(dict(m))
         if not answers:
             continue
-        prompt = tok(template.render(tok, history, generation_prompt=True, tools=tools),
+        prompt = tok(run.template.render(tok, history, generation_prompt=True, tools=tools),
                      add_special_tokens=False)["input_ids"]
-        budget = turn_budget(len(prompt), bool(finishes), gen["max_new_tokens"], gen["max_prompt_tokens"],
-                             gen["max_length"])
+        budget = turn_budget(len(prompt), bool(finishes), run.max_new_tokens, run.max_prompt_tokens, run.max_length)
         if budget is None:
             history.pop()
             break
-        answer, finish = _answer(ep, job, history, tools, budget, gen, prompt)
+        answer, finish = _answer(ep, job, history, tools, budget, run, prompt)
         history.append(answer)
         finishes.append(finish)
     while history and history[-1]["role"] != "assistant":
@@ -351,19 +383,19 @@ def _run_conversation(ep: Endpoint, job: _Job, gen: dict, stop: threading.Event)
     job.record = Conversation(job.conv.id, history, meta, tools).to_json()
 
 
-def _answer(ep: Endpoint, job: _Job, history: list[dict], tools, budget: int, gen: dict,
+def _answer(ep: Endpoint, job: _Job, history: list[dict], tools, budget: int, run: _Run,
             prompt: list[int]) -> tuple[dict, str]:
     """One answer from the server, stored as a record holds it (``answer_message``): its reasoning apart (the
     server's reasoning parser, else the template's markers), its tool calls, the generated ids, the stop id
     that ended them and the engine's own prompt ids, where the server returns them. ``prompt``: this project's
     rendering of the prompt, counted against the engine's."""
-    body = _body(gen["model"], history, budget, gen["temperature"], gen["top_p"], gen["seed"], gen["template"])
+    body = run.body(history, budget)
     if tools:
         body["tools"] = tools
     if ep.token_ids:
         body["return_token_ids"] = True
-    resp = _retried(ep, "/chat/completions", body, gen["retries"], job)
-    _check_answer(resp, ep.url, gen["model"], gen["vocab"])
+    resp = _retried(ep, "/chat/completions", body, run.retries, job)
+    _check_answer(resp, ep.url, run.model, len(run.tokenizer))
     choice = resp["choices"][0]
     message = choice.get("message") or {}
     thought = message.get("reasoning_content") or message.get("reasoning")  # a server's reasoning parser
@@ -372,13 +404,13 @@ def _answer(ep: Endpoint, job: _Job, history: list[dict], tools, budget: int, ge
     stop = None
     if isinstance(ids, list):
         ids = list(ids)
-        if ids and ids[-1] in gen["eos"]:  # the end token is not part of the answer (as in-process): kept apart
+        if ids and ids[-1] in run.eos:  # the end token is not part of the answer (as in-process): kept apart
             stop = ids.pop()
         elif finish == "stop" and isinstance(choice.get("stop_reason"), int):  # vLLM: the stop id it ended on
             stop = choice["stop_reason"]
     else:
         ids = None
-    answer, dropped = answer_message(message.get("content") or "", ids, stop, gen["format"], gen["reasoning"],
+    answer, dropped = answer_message(message.get("content") or "", ids, stop, run.format, run.reasoning,
                                      thought or None)
     if "token_ids" in answer and finish == "stop" and stop is None:
         del answer["stop_token_id"]  # it stopped on a token the server did not return: the template's is learned
@@ -452,21 +484,6 @@ def _wire(m: dict) -> dict:
         if m.get(key) is not None:
             out[key] = m[key]
     return out
-
-
-def _body(model, messages, max_tokens, temperature, top_p, seed, template: ChatTemplate) -> dict:
-    body = {"model": model, "messages": [_wire(m) for m in messages],
-            "max_tokens": max_tokens, "temperature": temperature}
-    if temperature > 0:
-        body.update(top_p=top_p, seed=seed)
-    if template.kwargs:
-        body["chat_template_kwargs"] = template.kwargs
-        if "reasoning_effort" in template.kwargs:  # vLLM renders gpt-oss with harmony: it reads the request's own
-            body["reasoning_effort"] = template.kwargs["reasoning_effort"]
-    if template.text is not None:
-        body["chat_template"] = template.text
-    return body
-
 
 
 def verify_sample(records: Sequence[dict], target, template: ChatTemplate, n: int) -> dict:

@@ -291,8 +291,9 @@ def caches(folders, data, tmp_path_factory) -> Lazy:
     def make(name: str) -> Path:
         out = tmp_path_factory.mktemp(name) / "features"
         assert main(["cache-features", str(data / "train.jsonl"), "--out", str(out), "--target", str(folders[name]),
-                     "--layers", *map(str, LAYERS), "--drafter", "dflash", "--dtype", "float32", "--max-length",
-                     str(MAX_LEN), "--batch-size", "4", "--device", "cpu", "--no-progress", "--debug"]) == 0
+                     "--layers", *map(str, LAYERS), "--drafter", "dflash", "--feature-dtype", "float32",
+                     "--max-length", str(MAX_LEN), "--batch-size", "4", "--device", "cpu", "--no-progress",
+                     "--debug"]) == 0
         return out
 
     return Lazy(make)

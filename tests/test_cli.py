@@ -72,6 +72,12 @@ def test_dtype_flags_take_aliases_and_name_the_bad_one(capsys):
     with pytest.raises(SystemExit):
         parser.parse_args(["--dtype", "fp8"])
     assert "dtype 'fp8' is not one of float32, bfloat16, float16" in capsys.readouterr().err
+    parser = argparse.ArgumentParser()
+    command_module("cache-features").configure(parser)
+    for flag in ("--dtype", "--feature-dtype"):
+        with pytest.raises(SystemExit):
+            parser.parse_args([flag, "int8"])
+        assert f"argument {flag}: dtype 'int8' is not one of" in capsys.readouterr().err
 
 
 def test_export_takes_k_and_its_speculators_name():
@@ -124,8 +130,10 @@ def test_demo_sizes_full_and_seeds(capsys):
     assert "not allowed with argument" in capsys.readouterr().err
 
 
-def test_ablate_refuses_seeds_in_one_line(tmp_path, capsys):
-    assert main(["ablate", "--quick", "--seeds", "2", "--out", str(tmp_path / "ab")]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("vatspec ablate: error: --seeds 2") and "vatspec demo --seeds N" in err
+def test_ablate_takes_no_seeds_nor_redecode(tmp_path, capsys):
+    """The ablation's arms share one seed, and it has no redecode: neither is offered (demo has both)."""
+    for flag in (["--seeds", "2"], ["--redecode"]):
+        with pytest.raises(SystemExit) as e:
+            main(["ablate", "--quick", *flag, "--out", str(tmp_path / "ab")])
+        assert e.value.code == 2 and f"unrecognized arguments: {' '.join(flag)}" in capsys.readouterr().err
     assert not (tmp_path / "ab").exists()  # refused before anything was written

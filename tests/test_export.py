@@ -610,7 +610,7 @@ def test_cli_exports_a_trained_run_and_train_can_start_from_it(smol_tokenizer_ta
     # the target comes from the checkpoint's config.yaml; the format from the drafter kind
     assert main(["export", str(runs["eagle3"]), "--out", str(tmp_path / "e3"), "--exit-threshold", "0.3"]) == 0
     assert main(["export", str(runs["eagle3"]), "--format", "speculators", "--out", str(tmp_path / "sp"),
-                 "--verifier", "HuggingFaceTB/SmolLM2-135M-Instruct", "--dtype", "bfloat16",
+                 "--verifier", "HuggingFaceTB/SmolLM2-135M-Instruct", "--weights-dtype", "bf16",
                  "--speculative-tokens", "3"]) == 0  # the speculators name of --k
     assert main(["export", str(runs["dflash"]), "--out", str(tmp_path / "df"), "--target", str(t.path)]) == 0
     assert main(["export", str(runs["eagle3"]), "--out", str(tmp_path / "e3")]) == 2  # exists, no --force

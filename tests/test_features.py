@@ -391,7 +391,7 @@ def test_parts_then_a_weightless_finish(tiny_dir, data_file, cache_dir, tmp_path
 
     out = tmp_path / "c"
     common = [str(data_file), "--out", str(out), "--target", str(tiny_dir), "--layers", "1,2,3", "--max-length", "64",
-              "--dtype", "float32", "--shard-size", "70000", "--batch-size", "4", "--target-dtype", "float32",
+              "--feature-dtype", "float32", "--shard-size", "70000", "--batch-size", "4", "--dtype", "float32",
               "--no-progress"]
     assert main(["cache-features", *common, "--device", "meta"]) == 2  # nothing written yet: refused
     assert "not written yet" in capsys.readouterr().err

@@ -105,8 +105,8 @@ def test_show_data_prints_the_tool_call_share_and_training_runs(regen, default_t
 
     feats = tmp_path / "feats"
     assert main(["cache-features", str(out), "--out", str(feats), "--target", str(default_target_path), *FLAGS,
-                 "--drafter", "eagle3", "--dtype", "float32", "--max-length", str(MAX_LEN), "--device", "cpu",
-                 "--no-progress"]) == 0
+                 "--drafter", "eagle3", "--feature-dtype", "float32", "--max-length", str(MAX_LEN),
+                 "--device", "cpu", "--no-progress"]) == 0
     run = tmp_path / "run"
     assert main(["train", f"target.path={default_target_path}", f"data.features={feats}", f"train.out_dir={run}",
                  "target.device=cpu", "drafter.kind=eagle3", "loss.kind=vat", "data.batch_size=2",

@@ -279,7 +279,7 @@ def test_handwritten_harmony_records_train_on_what_gpt_oss_generates(target, tmp
 def cache(gptoss_dir, regen, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("cache") / "features"
     assert main(["cache-features", str(regen), "--out", str(out), "--target", str(gptoss_dir),
-                 "--layers", *map(str, LAYERS), "--drafter", "dflash", "--dtype", "float32",
+                 "--layers", *map(str, LAYERS), "--drafter", "dflash", "--feature-dtype", "float32",
                  "--max-length", str(MAX_LEN), "--batch-size", "8", "--device", "cpu", "--no-progress"]) == 0
     return out
 

@@ -92,8 +92,8 @@ def regen(qwen3_dir, tmp_path_factory) -> Path:
 def cache(qwen3_dir, regen, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("cache") / "features"
     assert main(["cache-features", str(regen), "--out", str(out), "--target", str(qwen3_dir), *TEMPLATE_FLAGS,
-                 "--drafter", "eagle3", "--drafter", "dflash", "--dtype", "float32", "--max-length", str(MAX_LEN),
-                 "--batch-size", "8", "--device", "cpu", "--no-progress"]) == 0
+                 "--drafter", "eagle3", "--drafter", "dflash", "--feature-dtype", "float32", "--max-length",
+                 str(MAX_LEN), "--batch-size", "8", "--device", "cpu", "--no-progress"]) == 0
     return out
 
 

@@ -1,6 +1,6 @@
 """Do exported drafts decode in vLLM (or SGLang) as they do in vatspec? Same prompts, same k, greedy, both engines.
 
-For each draft (a run or checkpoint folder), `vatspec export` writes its served folder (``--dtype``; EAGLE-3
+For each draft (a run or checkpoint folder), `vatspec export` writes its served folder (``--weights-dtype``; EAGLE-3
 as ``--eagle3-format``, `eagle3-hf` by default, DFlash as `dflash`); vatspec's decode loop opens that
 folder (the weights the engine reads) and decodes the bundled benchmarks' prompts 2..(2 + --per-bench) at
 temperature 0 with k drafted tokens per round; then `tools/vllm_generate.py` (``--engine vllm``) or
@@ -104,7 +104,7 @@ def main() -> None:
         served[name] = args.out / "served" / name
         fmt = ["--format", args.eagle3_format] if kind == "eagle3" else []
         subprocess.run([sys.executable, "-m", "vatspec.cli", "export", str(run), "--out", str(served[name]),
-                        "--dtype", args.dtype, "--force", *fmt], check=True, stdout=subprocess.DEVNULL)
+                        "--weights-dtype", args.dtype, "--force", *fmt], check=True, stdout=subprocess.DEVNULL)
     mine = {"target": ours(target, None, prompts, args.k, args.max_tokens)}
     for name, path in served.items():
         drafter, _ = open_draft(path, target)

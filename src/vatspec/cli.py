@@ -12,6 +12,7 @@ traceback, unless ``--debug`` (before or after the command name) asks for it."""
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib
 import sys
 from functools import cache
@@ -57,6 +58,28 @@ def command_module(name: str):
     return importlib.import_module(plugin_commands()[name][0])
 
 
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """argparse's help with each option's default appended, ``(default: 2048)``, where it has one: not for an
+    unset (None) or empty default, nor for a switch (``--no-progress``). A command writes no default by hand."""
+
+    def _format_action(self, action: argparse.Action) -> str:
+        shown = shown_default(action)
+        if shown is not None:
+            action = copy.copy(action)  # the parser's own action keeps its help
+            action.help = f"{action.help or ''} (default: {shown.replace('%', '%%')})".strip()
+        return super()._format_action(action)
+
+
+def shown_default(action: argparse.Action) -> str | None:
+    """The text of ``action``'s default in ``--help``, or None where it has none worth showing."""
+    default = action.default
+    if action.nargs == 0 or action.help == argparse.SUPPRESS or default in (None, argparse.SUPPRESS, "", (), []):
+        return None
+    if isinstance(default, (list, tuple)):
+        return ",".join(map(str, default))
+    return str(default)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="vatspec",
@@ -85,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     name, rest = argv[0], argv[1:]
     command = command_module(name)
-    sub = argparse.ArgumentParser(prog=f"vatspec {name}", description=all_commands()[name])
+    sub = argparse.ArgumentParser(prog=f"vatspec {name}", description=all_commands()[name],
+                                  formatter_class=DefaultsHelpFormatter)
     command.configure(sub)
     sub.add_argument("--debug", action="store_true", help="show the traceback of an error")
     args = sub.parse_intermixed_args(rest)  # overrides may follow flags: `train --resume train.steps=9`

@@ -21,12 +21,18 @@ from vatspec_recipes.recipe import ExperimentError, load_recipe, recipe_size
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    demo.configure(parser)
-    parser.set_defaults(out="reports/ablate")
-    parser.add_argument("--drafter", default="dflash", choices=list(DRAFTERS))
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="at the demo's smoke size (recipe demo-quick's)")
+    size.add_argument("--full", action="store_true", help="at the long recipe's size (demo-full's), one seed")
+    parser.add_argument("--recipe", help="an experiment recipe: a YAML file, or a name in recipes/experiments; "
+                                         "unset: ablation, or objectives with --arms")
+    parser.add_argument("--out", default="reports/ablate", help="report folder")
+    parser.add_argument("--drafter", default="dflash", choices=list(DRAFTERS), help="the drafter trained in every arm")
     parser.add_argument("--arms", type=arms_arg, metavar="KIND,KIND,...",
                         help=f"train these loss kinds side by side and decode each ({', '.join(KINDS)}); the "
-                        "drafter's baseline kind is always added. Default: the paper's VAT ablation")
+                        "drafter's baseline kind is always added; unset: the paper's VAT ablation")
+    demo.add_size_args(parser)  # one seed: its arms share it
+    demo.add_run_args(parser)
 
 
 def parse_arms(text: str) -> list[str]:
@@ -59,9 +65,6 @@ def arms_arg(value: str) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    if (args.seeds or 1) > 1:
-        return report("ablate", ExperimentError(f"--seeds {args.seeds}: the ablation trains one seed (its arms "
-                                                "share it); several seeds are `vatspec demo --seeds N`"))
     demo.show_steps("ablate")
     if args.recipe and (args.quick or args.full):
         return report("ablate", ExperimentError(f"--recipe {args.recipe} brings its own size: drop --quick / --full"))

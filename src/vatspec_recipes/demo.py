@@ -29,26 +29,37 @@ def configure(parser: argparse.ArgumentParser) -> None:
     size.add_argument("--full", action="store_true",
                       help="the long recipe (demo-full): 512 conversations, 400 steps, 4 seeds per arm (<= 2 h on "
                            "2 cores)")
-    parser.add_argument("--recipe", help="an experiment recipe: a YAML file, or a name in recipes/experiments "
-                                         "(default: demo, demo-quick with --quick, demo-full with --full)")
-    parser.add_argument("--out", default="reports/demo", help="report folder (default: reports/demo)")
+    parser.add_argument("--recipe", help="an experiment recipe: a YAML file, or a name in recipes/experiments; "
+                                         "unset: demo, demo-quick with --quick, demo-full with --full")
+    parser.add_argument("--out", default="reports/demo", help="report folder")
+    add_size_args(parser)
+    parser.add_argument("--seeds", type=int_arg(1), help="override the number of training seeds per arm")
+    parser.add_argument("--redecode", action="store_true",
+                        help="decode the drafts of the finished demo in --out again (k re-chosen, current decoding "
+                             "code) and rewrite its report; nothing is retrained, its size is the recorded one")
+    add_run_args(parser)
+
+
+def add_size_args(parser: argparse.ArgumentParser) -> None:
+    """The flags that change a recipe's size (``size_changes``), the seeds aside: the demo's and the ablation's."""
     parser.add_argument("--steps", type=int_arg(1),
                         help="override the number of training steps (at a batch of 4; a drafter kind trained at "
                              "another batch sees the same sequences)")
     parser.add_argument("--prompts", type=int_arg(2), help="override the number of training conversations")
     parser.add_argument("--eval-prompts", type=int_arg(1), help="override prompts per benchmark")
-    parser.add_argument("--seeds", type=int_arg(1), help="override the number of training seeds per arm")
     parser.add_argument("--original-answers", type=int_arg(0),
                         help="train also on N ShareGPT conversations with their original answers, after the "
-                             "regenerated ones (default 0; the held-out split stays on the regenerated ones)")
+                             "regenerated ones (the held-out split stays on the regenerated ones); unset: the "
+                             "recipe's, 0 in the demo's")
     parser.add_argument("--precision", choices=["auto", "fp32", "bf16"],
-                        help="training precision (default auto: bf16 autocast where the CPU multiplies bf16 in "
-                             "hardware, AVX512-BF16 or AMX, else fp32)")
-    parser.add_argument("--threads", type=int_arg(1), default=None, help="torch CPU threads (default: torch's)")
+                        help="training precision; unset: the recipe's, auto in the demo's (bf16 autocast where the "
+                             "CPU multiplies bf16 in hardware, AVX512-BF16 or AMX, else fp32)")
+
+
+def add_run_args(parser: argparse.ArgumentParser) -> None:
+    """How a recipe runs, not what it computes: threads, progress bars, trackers."""
+    parser.add_argument("--threads", type=int_arg(1), default=None, help="torch CPU threads; unset: torch's")
     parser.add_argument("--no-progress", action="store_true")
-    parser.add_argument("--redecode", action="store_true",
-                        help="decode the drafts of the finished demo in --out again (k re-chosen, current decoding "
-                             "code) and rewrite its report; nothing is retrained, its size is the recorded one")
     add_report_to_arg(parser)
 
 
@@ -99,7 +110,7 @@ def size_name(args: argparse.Namespace) -> str:
 
 def size_changes(args: argparse.Namespace) -> dict:
     """``--steps``, ``--prompts``, ``--eval-prompts``, ``--seeds``, ``--original-answers``, ``--precision``."""
-    return {f: getattr(args, f) for f in SIZE_FLAGS if getattr(args, f) is not None}
+    return {f: getattr(args, f) for f in SIZE_FLAGS if getattr(args, f, None) is not None}
 
 
 def show_steps(command: str) -> None:

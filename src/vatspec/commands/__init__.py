@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-DTYPE_METAVAR = "{float32,bfloat16,float16}"
+DTYPE_NAMES = "bf16, fp16 or fp32 (or bfloat16, float16, float32)"  # what every dtype flag takes (dtype_arg)
 
 
 DEBUG = False  # `vatspec --debug ...`: report() raises, so the traceback shows (set by vatspec.cli)
@@ -65,13 +65,21 @@ def float_arg(minimum: float = 0.0, maximum: float = float("inf"), *, above: boo
 
 
 def dtype_arg(value: str) -> str:
-    """argparse ``type=`` for ``--dtype``: float32 | bfloat16 | float16 or an alias (fp32, bf16, fp16, half)."""
+    """argparse ``type=`` for every dtype flag: float32 | bfloat16 | float16 or an alias (fp32, bf16, fp16, half)."""
     from vatspec.target import dtype_name
 
     try:
         return dtype_name(value)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_dtype_arg(parser: argparse.ArgumentParser, flag: str = "--dtype", what: str = "the target model's dtype",
+                  note: str = "unset: bfloat16 on a GPU, float32 on a CPU", **kw) -> None:
+    """A dtype flag taking every name ``dtype_arg`` reads. ``--dtype`` is the target model's dtype in every command
+    that loads a target; another thing's dtype has a flag of its own (``--feature-dtype``, ``--weights-dtype``)."""
+    text = f"{what}: {DTYPE_NAMES}" + (f"; {note}" if note else "")
+    parser.add_argument(flag, type=dtype_arg, metavar="DTYPE", help=text, **kw)
 
 
 def add_template_args(parser: argparse.ArgumentParser) -> None:
@@ -104,8 +112,7 @@ def use_template(target, args: argparse.Namespace):
 def add_device_args(parser: argparse.ArgumentParser) -> None:
     """``--device``, ``--dtype`` and ``--threads``, as the decoding commands take them."""
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--dtype", default=None, type=dtype_arg, metavar=DTYPE_METAVAR,
-                        help="default: bfloat16 on a GPU, float32 on a CPU")
+    add_dtype_arg(parser)
     parser.add_argument("--threads", type=int_arg(1), default=None, help="torch intra-op threads (CPU)")
 
 

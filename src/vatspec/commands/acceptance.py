@@ -42,9 +42,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--answers", required=True, metavar="FILE",
                         help="the target's greedy answers to the benchmark prompts (JSONL conversations); "
                         "regenerated into FILE when it does not exist")
-    parser.add_argument("--prompts", type=_span_arg, default=(2, 26), metavar="LO:HI",
-                        help="prompts LO..HI-1 of each bundled benchmark, when --answers is regenerated "
-                        "(default 2:26)")
+    parser.add_argument("--prompts", type=_span_arg, default="2:26", metavar="LO:HI",
+                        help="prompts LO..HI-1 of each bundled benchmark, when --answers is regenerated")
     parser.add_argument("--pair", action="append", default=[], metavar="A=B",
                         help="print A - B with a 95%% paired interval over prompts (repeatable)")
     parser.add_argument("--target", default="default",

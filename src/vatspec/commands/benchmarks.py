@@ -12,7 +12,7 @@ from vatspec.commands import int_arg
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--show", metavar="NAME", help="print the first prompts of one benchmark")
-    parser.add_argument("-n", type=int_arg(1), default=3, help="how many prompts --show prints (default 3)")
+    parser.add_argument("-n", type=int_arg(1), default=3, help="how many prompts --show prints")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,8 +1,8 @@
 """``vatspec cache-features``: run the target once over conversations and store its layer outputs
 (``vatspec.features``), so that ``vatspec train data.features=DIR`` needs no target forward.
 
-    vatspec cache-features train.jsonl --out cache/ --drafter eagle3 --drafter dflash --dtype bfloat16
-    vatspec cache-features train.jsonl --out cache/ --dtype float32 --precision bf16   # as train.precision=bf16
+    vatspec cache-features train.jsonl --out cache/ --target /m --drafter eagle3 --drafter dflash --dtype bf16
+    vatspec cache-features train.jsonl --out cache/ --target /m --feature-dtype fp32 --precision bf16
     vatspec cache-features train.jsonl --out cache/ --layers 1,14,26      # resumes if cache/ is partial
     vatspec cache-features --validate cache/ [--target /path/to/model] [--sample 8]
     torchrun --nproc_per_node=8 -m vatspec.cli cache-features train.jsonl --out cache/ --target /m   # one GPU a rank
@@ -15,7 +15,7 @@ import os
 import re
 import sys
 
-from vatspec.commands import DTYPE_METAVAR, add_template_args, dtype_arg, int_arg, report, use_template
+from vatspec.commands import add_dtype_arg, add_template_args, int_arg, report, use_template
 from vatspec.features.format import PRECISIONS
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
@@ -69,13 +69,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drafter", type=drafter_arg, action="append",
                         help="store this drafter's default layers: eagle3, dflash or dflash:N (repeatable: the "
                              "union); default with no --layers: eagle3 and dflash")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
-                        help="storage dtype of the features (default bfloat16)")
+    add_dtype_arg(parser, "--feature-dtype", "the features' storage dtype", note="", default="bfloat16")
     parser.add_argument("--precision", default="auto", choices=("auto", *PRECISIONS),
                         help="the target pass's arithmetic: fp32 (the target's dtype) or bf16 (bfloat16 autocast, as "
                              "train.precision=bf16 runs the target online); it should be train.precision of the "
-                             "training run (default auto, as train.precision: bf16 on a GPU, fp32 elsewhere)")
-    parser.add_argument("--shard-size", type=size_arg, default=2**30, help="bytes per shard (default 1GiB)")
+                             "training run; auto, as train.precision: bf16 on a GPU, fp32 elsewhere")
+    parser.add_argument("--shard-size", type=size_arg, default="1GiB", help="bytes per shard (KiB, MiB, GiB, ...)")
     parser.add_argument("--max-length", type=int_arg(2), default=2048,
                         help="tokens per conversation (data.max_length)")
     parser.add_argument("--batch-size", type=int_arg(1), default=8, help="conversations per target forward")
@@ -86,9 +85,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--part", type=part_arg, default=None, metavar="I/N",
                         help="write only part I of N (independent processes, e.g. one per group of GPUs); "
                              "then run once more without --part to finish the index and manifest")
-    parser.add_argument("--target-dtype", default=None, type=dtype_arg, metavar=DTYPE_METAVAR,
-                        help="the dtype the target runs in (default: bfloat16 on GPU, float32 on CPU); it should "
-                             "be target.dtype of the training run")
+    add_dtype_arg(parser, note="unset: bfloat16 on a GPU, float32 on a CPU; it should be target.dtype of the "
+                               "training run")
     parser.add_argument("--skip-bad", action="store_true", help="skip (and count) bad input records, as "
                                                                 "data.skip_bad=true does in training")
     parser.add_argument("--sample", type=int_arg(0), default=4, help="--validate: rows compared with a fresh forward")
@@ -127,7 +125,7 @@ def _validate(args: argparse.Namespace) -> int:
     from vatspec.features.validate import validate_cache
     from vatspec.target import open_target
 
-    target = open_target(args.target, device=args.device or "cpu", dtype=args.target_dtype) if args.target else None
+    target = open_target(args.target, device=args.device or "cpu", dtype=args.dtype) if args.target else None
     rep = validate_cache(args.validate, target, sample=args.sample)
     for p in rep.problems:
         print(f"vatspec cache-features: invalid: {p}")
@@ -170,7 +168,7 @@ def _write(args: argparse.Namespace) -> int:
     if not args.target:
         raise ValueError("--target is required: a local HF model folder, or 'default' (the embedded SmolLM2-135M)")
     convs = load_conversations(args.data, skip_bad=args.skip_bad)
-    target = open_target(args.target, device=device or "auto", dtype=args.target_dtype,
+    target = open_target(args.target, device=device or "auto", dtype=args.dtype,
                          device_map=args.device_map)
     if rank == 0:
         print("\n".join(describe(target)), file=sys.stderr)
@@ -188,9 +186,10 @@ def _write(args: argparse.Namespace) -> int:
         print(f"cache-features: the target pass in {precision}" + (" (auto)" if args.precision == "auto" else ""),
               file=sys.stderr)
     with write_lock(args.out, "--out", "cache-features", part=f"{rank}/{world}"):  # one writer per share
-        man = write_cache(target, convs, args.out, layer_ids=layer_ids, dtype=args.dtype, precision=precision,
-                          shard_size=args.shard_size, max_length=args.max_length, batch_size=args.batch_size,
-                          source=args.data, rank=rank, world=world, progress=not args.no_progress)
+        man = write_cache(target, convs, args.out, layer_ids=layer_ids, dtype=args.feature_dtype,
+                          precision=precision, shard_size=args.shard_size, max_length=args.max_length,
+                          batch_size=args.batch_size, source=args.data, rank=rank, world=world,
+                          progress=not args.no_progress)
     w = man["written"]
     if args.part is not None:
         print(f"{args.out}: part {rank}/{world} written ({w['shards']} shard(s), {w['tokens']} tokens); when every "

@@ -10,7 +10,7 @@ import argparse
 from pathlib import Path
 
 from vatspec.checkpoint import CheckpointError, resolve_checkpoint, saved_config
-from vatspec.commands import DTYPE_METAVAR, dtype_arg, int_arg, report
+from vatspec.commands import add_dtype_arg, int_arg, report
 from vatspec.drafts import open_draft
 from vatspec.export import DEFAULT_FORMAT, FORMATS, export_draft, to_vllm_ids
 from vatspec.export.formats import HEAD_DIR
@@ -26,7 +26,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="the folder to write (must not exist or be empty)")
     parser.add_argument("--target", help="target model folder; default: target.path of the checkpoint's config.yaml")
     parser.add_argument("--force", action="store_true", help="replace a non-empty --out made by an earlier export")
-    parser.add_argument("--dtype", type=dtype_arg, metavar=DTYPE_METAVAR, help="weights dtype; default: as trained")
+    add_dtype_arg(parser, "--weights-dtype", "the dtype of the written weights", note="unset: as trained")
     parser.add_argument("--exit-threshold", type=float, help="accept-head early-exit threshold stored beside the draft")
     parser.add_argument("--k", "--speculative-tokens", dest="k", type=int_arg(1),
                         help="speculators: tokens drafted per round, written as speculative_tokens (default: the "
@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
         training = training_record(resolve_checkpoint(src), drafter.k) if from_run else None
         with write_lock(out, "--out", "export"):
             out = export_draft(drafter, target, out, fmt=fmt, head=head, exit_threshold=args.exit_threshold,
-                               dtype=args.dtype, force=args.force, k=args.k,
+                               dtype=args.weights_dtype, force=args.force, k=args.k,
                                verifier=args.verifier, training=training, mask_token_id=args.mask_token_id)
     except (CheckpointError, TargetError, OutputError, ValueError) as e:  # DataError is a ValueError
         return report("export", e)
@@ -85,7 +85,16 @@ def _use_run_template(path: str, target) -> None:
 
 
 def _saved_target_path(path: str) -> str:
-    """target.path of the run config saved in the checkpoint (read as a config, aliases and all)."""
+    """target.path of the run config saved in the checkpoint (read as a config, aliases and all). A path that
+    holds no draft is said so; ``--target`` is asked for only where a draft records no target."""
+    p = Path(path)
+    if not p.exists():
+        raise CheckpointError(f"{p} does not exist: expected a checkpoint, a run folder or an exported draft")
+    if not (p / "latest").is_file() and not (p / "drafter.safetensors").is_file():
+        if (p / "config.json").is_file():
+            raise CheckpointError(f"{p} is an exported draft, not a training run: pass --target (the target model)")
+        raise CheckpointError(f"{p} holds no draft: neither a checkpoint (drafter.safetensors), a run folder "
+                              "(latest) nor an exported draft (config.json)")
     try:
         return saved_config(path).target.path
     except CheckpointError as e:

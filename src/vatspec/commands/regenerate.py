@@ -3,7 +3,7 @@
 
     vatspec regenerate runs/prompts.jsonl --out runs/regen.jsonl --target default --max-new-tokens 512
     vatspec regenerate prompts.jsonl --out regen.jsonl --target /models/Qwen3-8B --endpoint http://127.0.0.1:8000 \
-        --endpoint http://127.0.0.1:8001 --model Qwen/Qwen3-8B --concurrency 16 \
+        --endpoint http://127.0.0.1:8001 --model Qwen/Qwen3-8B --max-length 4096 \
         --chat-template-kwargs enable_thinking=false --verify-sample 8
 """
 
@@ -13,7 +13,13 @@ import argparse
 import logging
 from pathlib import Path
 
-from vatspec.commands import DTYPE_METAVAR, add_template_args, dtype_arg, float_arg, int_arg, report, use_template
+from vatspec.commands import add_dtype_arg, add_template_args, float_arg, int_arg, report, use_template
+
+# a prompt over this many tokens is not answered, unless --max-length says how long a training sequence is
+MAX_PROMPT_TOKENS = 2048
+# requests in flight per server: vLLM and SGLang batch every request they hold into one forward (continuous
+# batching, hundreds of sequences a GPU), so a few in flight leave a GPU server mostly idle
+ENDPOINT_CONCURRENCY = 64
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -33,18 +39,20 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="also at most this many prompt tokens a batch (rows x its longest first prompt): "
                              "wide batches of short prompts, narrow ones of long prompts (the demo: 64 and 4096)")
     parser.add_argument("--max-new-tokens", type=int_arg(1), default=512)
-    parser.add_argument("--temperature", type=float_arg(0.0), default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--temperature", type=float_arg(0.0), default=0.0, help="0 = greedy")
     parser.add_argument("--top-p", type=float_arg(0.0, 1.0, above=True), default=1.0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-prompt-tokens", type=int_arg(1), default=2048)
+    parser.add_argument("--max-prompt-tokens", type=int_arg(1), default=None,
+                        help="a conversation whose first prompt holds more tokens is not answered (a later turn's: "
+                             f"it ends there); unset: --max-length (a prompt that fits training is kept), else "
+                             f"{MAX_PROMPT_TOKENS}")
     parser.add_argument("--max-length", type=int_arg(1), default=None,
                         help="the training length (data.max_length): a row stops generating once it holds this "
                              "many tokens, prompt included, plus a few; training sees the same tokens")
     parser.add_argument("--limit", type=int_arg(0), default=None, help="only the first N conversations")
     parser.add_argument("--skip-bad", action="store_true", help="skip (and count) bad input records")
     parser.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
-    parser.add_argument("--dtype", default=None, type=dtype_arg, metavar=DTYPE_METAVAR,
-                        help="default: bfloat16 on GPU, float32 on CPU")
+    add_dtype_arg(parser)
     parser.add_argument("--threads", type=int_arg(1), default=None,
                         help="torch CPU threads; 1 is much faster on a CPU shared with other jobs")
     srv = parser.add_argument_group("through serving engines (OpenAI-compatible chat completions: vLLM, SGLang, TGI, "
@@ -53,7 +61,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                      help="a server's URL (repeat for several: requests spread over all); no credentials, "
                           "query or fragment in it: an API key is read from VATSPEC_API_KEY, else OPENAI_API_KEY")
     srv.add_argument("--model", help="the model name the servers serve (required with --endpoint)")
-    srv.add_argument("--concurrency", type=int_arg(1), default=4, help="requests in flight per endpoint")
+    srv.add_argument("--concurrency", type=int_arg(1), default=ENDPOINT_CONCURRENCY,
+                     help="requests in flight per endpoint: a GPU server (vLLM, SGLang) batches all it holds into one "
+                          "forward, so this many keep it busy; a CPU server (llama.cpp, transformers serve) wants "
+                          "1-4. In-process generation batches by --batch-size instead")
     srv.add_argument("--retries", type=int_arg(0), default=5,
                      help="retries of a request after a 5xx, a timeout or a dropped connection (backoff 0.5 s, "
                           "doubling)")
@@ -75,6 +86,8 @@ def run(args: argparse.Namespace) -> int:
     from vatspec.target import TargetError, open_target
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if args.max_prompt_tokens is None:
+        args.max_prompt_tokens = args.max_length or MAX_PROMPT_TOKENS
     if args.threads:
         torch.set_num_threads(args.threads)
     read = {"bad": 0}

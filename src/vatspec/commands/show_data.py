@@ -20,11 +20,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("data", metavar="DATA", help="conversations (JSONL/JSON/HF dataset folder), as data.train")
     parser.add_argument("--target", required=True, help="a local HF folder, or 'default' (the embedded SmolLM2)")
     add_template_args(parser)
-    parser.add_argument("-n", type=int_arg(0), default=3, help="how many sequences to print (default 3)")
+    parser.add_argument("-n", type=int_arg(0), default=3, help="how many sequences to print")
     parser.add_argument("--id", action="append", default=[], metavar="ID",
                         help="print this conversation's sequences instead (repeatable; ID or ID@n)")
     parser.add_argument("--max-length", type=int_arg(2), default=DataConfig.max_length,
-                        help=f"as data.max_length (default {DataConfig.max_length})")
+                        help="as data.max_length")
     parser.add_argument("--skip-bad", action="store_true", help="skip and count bad records, as data.skip_bad")
     parser.add_argument("--color", choices=("auto", "always", "never"), default="auto",
                         help="auto: colour on a terminal; otherwise supervised runs are printed in [[...]]")

@@ -31,8 +31,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--init-from", help="start from an existing draft (checkpoint or exported folder)")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--print-config", action="store_true",
-                        help="print every field of the resolved config, its value and where it came from (default, "
-                             "the --config file, an override, or resolved for the drafter), then exit; loads no "
+                        help="print every field of the resolved config, its value and where it came from: default, "
+                             "the --config file, an override, or resolved for the drafter; then exit; loads no "
                              "model or data and writes nothing")
 
 

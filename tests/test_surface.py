@@ -1,0 +1,159 @@
+"""The command-line surface a new user touches: one meaning per dtype flag, defaults in every ``--help``,
+``--config NAME`` for installed configs, a ``--print-config`` that sizes the run, the trackers' own
+environment variables, and regeneration defaults sized for a server."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import safetensors
+
+from vatspec.cli import all_commands, command_module, main
+
+DTYPE_NAMES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
+               "fp32": "float32", "float32": "float32"}
+# every dtype flag: (command, flag, the arguments the command requires besides)
+DTYPE_FLAGS = [("regenerate", "--dtype", ["in.jsonl", "--out", "o.jsonl", "--target", "default"]),
+               ("eval", "--dtype", ["--target", "default"]),
+               ("check", "--dtype", ["served", "--target", "default"]),
+               ("acceptance", "--dtype", ["a=runs/a", "--answers", "a.jsonl"]),
+               ("cache-features", "--dtype", []),
+               ("cache-features", "--feature-dtype", []),
+               ("export", "--weights-dtype", ["run", "--out", "served"])]
+
+
+def parser_of(name: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=f"vatspec {name}")
+    command_module(name).configure(parser)
+    return parser
+
+
+def help_of(name: str, capsys) -> str:
+    """``vatspec NAME --help`` as printed, one line per option (argparse's wrapping undone)."""
+    with pytest.raises(SystemExit):
+        main([name, "--help"])
+    return " ".join(capsys.readouterr().out.split())
+
+
+# ----------------------------------------------------------------------------- 1. dtype flags
+@pytest.mark.parametrize("command, flag, required", DTYPE_FLAGS, ids=[f"{c} {f}" for c, f, _ in DTYPE_FLAGS])
+def test_every_dtype_flag_takes_every_name(command, flag, required):
+    parser = parser_of(command)
+    dest = flag.lstrip("-").replace("-", "_")
+    for name, canonical in DTYPE_NAMES.items():
+        assert getattr(parser.parse_args([*required, flag, name]), dest) == canonical, name
+
+
+def test_dtype_is_the_target_s_in_every_command_and_other_dtypes_have_their_own_flag(capsys):
+    with_dtype = {name for name in all_commands() if "--dtype" in parser_of(name)._option_string_actions}
+    assert with_dtype == {"regenerate", "eval", "check", "acceptance", "cache-features"}  # those loading a target
+    for name in sorted(with_dtype):
+        assert "--dtype DTYPE the target model's dtype: bf16, fp16 or fp32" in help_of(name, capsys), name
+    assert "--target-dtype" not in parser_of("cache-features")._option_string_actions
+    assert "--feature-dtype DTYPE the features' storage dtype" in help_of("cache-features", capsys)
+    assert "--weights-dtype DTYPE the dtype of the written weights" in help_of("export", capsys)
+
+
+def test_cache_features_runs_the_target_in_dtype_and_stores_in_feature_dtype(tmp_path, tiny_target_dir, capsys):
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"id": f"c{k}", "messages": [
+        {"role": "user", "content": f"Say {w}."}, {"role": "assistant", "content": f"{w} {w}."}]}) + "\n"
+        for k, w in enumerate(["one", "two", "three"])))
+    out = tmp_path / "cache"
+    assert main(["cache-features", str(data), "--out", str(out), "--target", str(tiny_target_dir), "--layers", "1",
+                 "--max-length", "32", "--device", "cpu", "--dtype", "bf16", "--feature-dtype", "fp16",
+                 "--precision", "fp32", "--no-progress"]) == 0
+    assert "on cpu, bfloat16" in capsys.readouterr().err  # the target, as loaded
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["dtype"] == "float16"
+    shard = next(out.glob("**/*.safetensors"))
+    with safetensors.safe_open(shard, "pt") as f:
+        names = [k for k in f.keys() if k != "input_ids" and k != "loss_mask"]  # noqa: SIM118 (no __iter__)
+        assert names and {f.get_slice(k).get_dtype() for k in names} == {"F16"}
+
+
+def test_export_writes_weights_in_weights_dtype(tmp_path, tiny_target_dir):
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"id": f"c{k}", "messages": [
+        {"role": "user", "content": f"Question {k}: say {w}."}, {"role": "assistant", "content": f"{w}, as asked."}]})
+        + "\n" for k, w in enumerate(["one", "two", "three", "four", "five", "six"])))
+    run = tmp_path / "run"
+    assert main(["train", f"target.path={tiny_target_dir}", f"data.train={data}", f"train.out_dir={run}",
+                 "data.max_length=64", "drafter.draft_vocab_size=256", "train.steps=1", "--no-progress"]) == 0
+    for name, code in (("bf16", "BF16"), ("fp16", "F16")):
+        served = tmp_path / f"served-{name}"
+        assert main(["export", str(run), "--out", str(served), "--weights-dtype", name]) == 0
+        with safetensors.safe_open(next(served.glob("*.safetensors")), "pt") as f:
+            names = [k for k in f.keys() if "weight" in k]  # noqa: SIM118 (no __iter__)
+            assert names and {f.get_slice(k).get_dtype() for k in names} == {code}, name
+
+
+# ----------------------------------------------------------------------------- 2. help and errors
+@pytest.mark.parametrize("name", list(all_commands()))
+def test_every_help_shows_the_defaults_once(name, capsys):
+    text = help_of(name, capsys)
+    for action in parser_of(name)._actions:
+        if action.default in (None, False, "", (), []) or action.nargs == 0 or action.dest == "help":
+            continue
+        shown = ",".join(map(str, action.default)) if isinstance(action.default, (list, tuple)) else action.default
+        assert f"(default: {shown})" in text, (name, action.option_strings)
+    assert "(default" not in text.replace("(default: ", ""), name  # no hand-written "(default ...)" beside it
+
+
+def test_help_shows_the_default_of_a_flag_with_no_help_text(capsys):
+    assert "--device DEVICE (default: auto)" in help_of("eval", capsys)
+    assert "--max-new-tokens MAX_NEW_TOKENS (default: 512)" in help_of("regenerate", capsys)
+    assert "--shard-size SHARD_SIZE bytes per shard (KiB, MiB, GiB, ...) (default: 1GiB)" in help_of(
+        "cache-features", capsys)
+
+
+def test_ablate_help_is_ablate_s(capsys):
+    text = help_of("ablate", capsys)
+    assert "the paper's ablation on one drafter" in text
+    assert "--out OUT report folder (default: reports/ablate)" in text
+    assert "--drafter {eagle3,dflash} the drafter trained in every arm (default: dflash)" in text
+    assert "unset: ablation, or objectives with --arms" in text
+    for demo_only in ("--redecode", "--seeds", "demo-quick; CI runs it", "reports/demo"):
+        assert demo_only not in text, demo_only
+    demo = help_of("demo", capsys)
+    assert "--out OUT report folder (default: reports/demo)" in demo and "--redecode" in demo
+
+
+def test_export_of_a_path_without_a_draft_names_the_cause(tmp_path, capsys):
+    assert main(["export", str(tmp_path / "nothing"), "--out", str(tmp_path / "o")]) == 2
+    assert capsys.readouterr().err == (f"vatspec export: error: {tmp_path / 'nothing'} does not exist: expected a "
+                                       "checkpoint, a run folder or an exported draft\n")
+    (tmp_path / "empty").mkdir()
+    assert main(["export", str(tmp_path / "empty"), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'empty'} holds no draft" in err and "--target" not in err
+    (tmp_path / "served").mkdir()
+    (tmp_path / "served" / "config.json").write_text("{}")
+    assert main(["export", str(tmp_path / "served"), "--out", str(tmp_path / "o")]) == 2
+    assert "is an exported draft, not a training run: pass --target" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- 6. regenerate's defaults
+def test_regenerate_defaults_a_server_s_concurrency_and_a_small_in_process_batch(capsys):
+    args = parser_of("regenerate").parse_args(["in.jsonl", "--out", "o.jsonl", "--target", "default"])
+    assert args.concurrency == 64 and args.batch_size == 8
+    text = help_of("regenerate", capsys)
+    assert "a GPU server (vLLM, SGLang) batches all it holds into one forward, so this many keep it busy; a CPU " \
+           "server (llama.cpp, transformers serve) wants 1-4" in text and "(default: 64)" in text
+
+
+def test_regenerate_keeps_a_prompt_that_fits_max_length(tmp_path, tiny_target_dir, capsys):
+    """--max-prompt-tokens follows --max-length: a 2,500-token prompt fits a 4,096-token training length and is
+    answered; with no training length given, the 2,048-token limit drops it."""
+    data = tmp_path / "in.jsonl"
+    long = {"id": "long", "messages": [{"role": "user", "content": "word " * 2500}]}
+    short = {"id": "short", "messages": [{"role": "user", "content": "Say one."}]}
+    data.write_text(json.dumps(long) + "\n" + json.dumps(short) + "\n")
+    common = [str(data), "--target", str(tiny_target_dir), "--max-new-tokens", "2", "--device", "cpu"]
+    for extra, name, kept in ((["--max-length", "4096"], "fits.jsonl", {"long", "short"}), ([], "no.jsonl", {"short"})):
+        assert main(["regenerate", *common, "--out", str(tmp_path / name), *extra]) == 0
+        written = {json.loads(line)["id"] for line in (tmp_path / name).read_text().splitlines()}
+        assert written == kept, extra
+        assert f"{2 - len(kept)} too long" in capsys.readouterr().out

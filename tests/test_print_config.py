@@ -1,4 +1,5 @@
-"""``vatspec train --print-config``: every field, its value and its source; nothing loaded or written."""
+"""``vatspec train --print-config``: every field that applies to the drafter kind, its value and its source, then
+the numbers the run is sized by; nothing loaded or written."""
 
 from __future__ import annotations
 
@@ -15,15 +16,31 @@ RECIPES_DIR = Path(__file__).resolve().parents[1] / "src" / "vatspec_recipes" / 
 RECIPES = sorted(RECIPES_DIR.glob("*.yaml"))
 FIELDS = [f"{s.name}.{f.name}" for s in dataclasses.fields(Config)
           for f in dataclasses.fields(getattr(Config(), s.name))]
+# the drafter fields of one kind only (written out here, not read from the config's metadata)
+EAGLE3_ONLY = ["drafter.draft_vocab_size", "drafter.ttt_steps", "drafter.init_lm_head"]
+DFLASH_ONLY = ["drafter.num_layers", "drafter.block_size", "drafter.num_anchors", "drafter.mask_token_id"]
+SIZE_ROWS = ["world size", "global batch", "steps per epoch", "total steps", "warm-up steps"]
 
 
-def print_config(argv: list[str], capsys) -> dict[str, tuple[str, str]]:
-    """Run ``vatspec train ARGV --print-config``; ``{field: (value, source)}`` from its lines."""
+def fields_of(kind: str) -> list[str]:
+    """Every field of every section, in order, less the other drafter kind's."""
+    other = DFLASH_ONLY if kind == "eagle3" else EAGLE3_ONLY
+    return [f for f in FIELDS if f not in other]
+
+
+def print_config(argv: list[str], capsys, sizes: dict | None = None) -> dict[str, tuple[str, str]]:
+    """Run ``vatspec train ARGV --print-config``; ``{field: (value, source)}`` from its first block of lines,
+    and into ``sizes`` ``{name: (value, how)}`` from the second (the numbers the run is sized by)."""
     assert main(["train", *argv, "--print-config"]) == 0
+    fields, _, derived = capsys.readouterr().out.partition("\n\n")
     rows = {}
-    for line in capsys.readouterr().out.splitlines():
+    for line in fields.splitlines():
         key, value, source = re.split(r"\s{2,}", line.strip(), maxsplit=2)
         rows[key] = (value, source)
+    for line in derived.splitlines():
+        name, value, how = re.split(r"\s{2,}", line.strip(), maxsplit=2)
+        if sizes is not None:
+            sizes[name] = (value, how)
     return rows
 
 
@@ -33,7 +50,7 @@ def test_default_file_override_and_resolved_sources(tmp_path, capsys):
     recipe.write_text(f"data:\n  max_length: 1024\n  batch_size: 2\ntrain:\n  out_dir: {out_dir}\n  seed: 0\n")
     rows = print_config(["--config", str(recipe), "optim.lr=3e-4", "data.batch_size=4", "drafter=dflash"], capsys)
 
-    assert list(rows) == FIELDS  # every field of every section, in order
+    assert list(rows) == fields_of("dflash")  # the fields that apply to DFlash, in order
     assert rows["train.epochs"] == (str(Config().train.epochs), "default")
     assert rows["data.max_length"] == ("1024", str(recipe))
     assert rows["train.seed"] == ("0", str(recipe))  # named by the file, though equal to the default
@@ -98,7 +115,9 @@ PUBLISHED = {"gpt-oss": "openai-gpt-oss-20b.jinja", "llama3.1": "meta-llama-Llam
 @pytest.mark.parametrize("recipe", RECIPES, ids=[p.name for p in RECIPES])
 def test_every_recipe_loads(recipe, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)  # the recipes' relative out_dir and features resolve here
-    rows = print_config(["--config", str(recipe)], capsys)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    sizes = {}
+    rows = print_config(["--config", str(recipe)], capsys, sizes)
     source = str(recipe)
     for key in ("target.path", "target.dtype", "data.train", "drafter.kind", "loss.kind", "train.precision",
                 "optim.lr", "data.max_length"):
@@ -107,12 +126,17 @@ def test_every_recipe_loads(recipe, tmp_path, monkeypatch, capsys):
     assert rows["target.dtype"][0] == "bfloat16" and rows["train.precision"][0] == "bf16"
     assert rows["loss.kind"][0] == ("vat" if recipe.name not in BASELINES else rows["drafter.kind"][0])
     assert rows["data.features"] == ("''", "default")  # online: the target runs inside training
+    assert list(rows) == fields_of(rows["drafter.kind"][0])
     assert rows["drafter.target_layer_ids"] == ("null", "default")  # the drafter's reference default
     kwargs, date, max_length = TEMPLATE_SETTINGS[recipe.name]
     assert rows["data.chat_template_kwargs"] == ((kwargs, source) if kwargs else ("''", "default"))
     assert rows["data.chat_template_date"] == ((date, source) if date else ("''", "default"))
     assert rows["data.chat_template"] == ("''", "default")  # the tokenizer's own template
     assert rows["data.max_length"][0] == str(max_length)
+    # the data is not here: the steps are unknown, the batch is not
+    assert list(sizes) == SIZE_ROWS and sizes["world size"][0] == "1"
+    assert sizes["global batch"][0] == rows["data.batch_size"][0]
+    assert sizes["total steps"] == ("unknown", f"train.epochs {rows['train.epochs'][0]} x steps per epoch")
     assert list(tmp_path.iterdir()) == []  # nothing written
 
 

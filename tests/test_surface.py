@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 
 import pytest
 import safetensors
@@ -133,6 +134,97 @@ def test_export_of_a_path_without_a_draft_names_the_cause(tmp_path, capsys):
     (tmp_path / "served" / "config.json").write_text("{}")
     assert main(["export", str(tmp_path / "served"), "--out", str(tmp_path / "o")]) == 2
     assert "is an exported draft, not a training run: pass --target" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- 3. --config NAME
+def test_config_takes_an_installed_name(tmp_path, monkeypatch, capsys):
+    from vatspec.config import installed_configs
+
+    monkeypatch.chdir(tmp_path)
+    installed = installed_configs()  # vatspec_recipes registers its configs/ under vatspec.configs
+    assert installed["qwen3-8b-eagle3-vat"].parent.name == "configs"
+    for name in ("qwen3-8b-eagle3-vat", "qwen3-8b-eagle3-vat.yaml"):
+        assert main(["train", "--config", name, "--print-config"]) == 0
+        assert re.search(rf"^target\.path +/models/Qwen3-8B +{installed['qwen3-8b-eagle3-vat']}\n",
+                         capsys.readouterr().out, re.M)
+    (tmp_path / "qwen3-8b-eagle3-vat.yaml").write_text("train:\n  steps: 3\n")  # a file of that name wins
+    assert main(["train", "--config", "qwen3-8b-eagle3-vat.yaml", "--print-config"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"\ntrain\.steps +3 +qwen3-8b-eagle3-vat\.yaml\n", out) and "/models/Qwen3-8B" not in out
+
+
+def test_an_unknown_config_name_lists_the_installed_ones(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--config", "qwen3-8b-eagle", "train.steps=1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("vatspec train: error: config qwen3-8b-eagle does not exist: it is neither a file nor an "
+                          "installed config (installed: gpt-oss-20b-eagle3, ")
+    assert "qwen3-8b-eagle3-vat" in err and err.count("\n") == 1
+
+
+# ----------------------------------------------------------------------------- 4. --print-config sizes the run
+def print_config(argv: list[str], capsys) -> tuple[dict, dict]:
+    """``vatspec train ARGV --print-config`` -> ({field: value}, {size row: value})."""
+    assert main(["train", *argv, "--print-config"]) == 0
+    blocks = capsys.readouterr().out.split("\n\n")
+    fields, sizes = ({row[0]: row[1] for row in (re.split(r"\s{2,}", line, maxsplit=2) for line in block.splitlines())}
+                     for block in blocks)
+    return fields, sizes
+
+
+def conversations(n: int) -> str:
+    return "".join(json.dumps({"id": f"c{k}", "messages": [
+        {"role": "user", "content": f"Question {k}: say {k}."}, {"role": "assistant", "content": f"{k}, as asked."}]})
+        + "\n" for k in range(n))
+
+
+def test_print_config_shows_only_the_drafter_kind_s_fields(capsys):
+    eagle3, _ = print_config([], capsys)
+    dflash, _ = print_config(["drafter=dflash"], capsys)
+    assert {"drafter.ttt_steps", "drafter.draft_vocab_size", "drafter.init_lm_head"} <= set(eagle3)
+    assert not {k for k in eagle3 if k in ("drafter.block_size", "drafter.num_anchors", "drafter.num_layers",
+                                            "drafter.mask_token_id")}
+    assert {"drafter.block_size", "drafter.num_anchors", "drafter.num_layers", "drafter.mask_token_id"} <= set(dflash)
+    assert not {k for k in dflash if k in ("drafter.ttt_steps", "drafter.draft_vocab_size", "drafter.init_lm_head")}
+
+
+def test_print_config_sizes_a_run_on_several_ranks(tmp_path, monkeypatch, capsys):
+    data = tmp_path / "train.jsonl"
+    data.write_text(conversations(43))
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    _, sizes = print_config([f"data.train={data}", "data.batch_size=2", "optim.grad_accum=2", "train.epochs=3",
+                             "optim.warmup_ratio=0.25"], capsys)
+    # 43 conversations, 2 held out (5%); 41 / 4 ranks = 10 each, in 5 batches of 2: 2 steps of 2 batches an epoch
+    assert sizes == {"world size": "4", "global batch": "16", "conversations": "~43", "steps per epoch": "~2",
+                     "total steps": "~6", "warm-up steps": "~2"}
+
+
+def test_print_config_counts_the_steps_training_takes(tmp_path, tiny_target_dir, capsys):
+    data = tmp_path / "train.jsonl"
+    data.write_text(conversations(9))
+    run = tmp_path / "run"
+    argv = [f"target.path={tiny_target_dir}", f"data.train={data}", f"train.out_dir={run}", "data.max_length=64",
+            "drafter.draft_vocab_size=256", "data.batch_size=2", "train.epochs=2"]
+    _, sizes = print_config(argv, capsys)
+    assert main(["train", *argv, "--no-progress"]) == 0
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert sizes["total steps"] == f"~{steps[-1]}" == "~8"  # 8 of the 9 train, in 4 batches, for 2 epochs
+
+
+def test_print_config_gives_the_feature_cache_s_disk(tmp_path, tiny_target_dir, capsys):
+    data = tmp_path / "train.jsonl"
+    data.write_text(conversations(6))
+    cache = tmp_path / "cache"
+    argv = [f"target.path={tiny_target_dir}", f"data.train={data}", f"data.features={cache}", "data.max_length=64"]
+    _, sizes = print_config(argv, capsys)
+    # not written yet: at most 6 conversations x 64 tokens x (4 + 1 + (3 layers + 1) x 32 x 2) B = 100,224 B
+    assert sizes["feature cache"] == "<= 97.9 KiB"
+    assert main(["cache-features", str(data), "--out", str(cache), "--target", str(tiny_target_dir),
+                 "--drafter", "eagle3", "--max-length", "64", "--device", "cpu", "--no-progress"]) == 0
+    capsys.readouterr()
+    _, sizes = print_config(argv, capsys)
+    shards = sum(p.stat().st_size for p in cache.glob("**/*.safetensors"))
+    assert sizes["feature cache"] == f"{shards / 1024:.1f} KiB" and sizes["conversations"] == "6"  # the rows
 
 
 # ----------------------------------------------------------------------------- 6. regenerate's defaults

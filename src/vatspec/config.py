@@ -18,6 +18,7 @@ import math
 import types
 import typing
 from dataclasses import dataclass, field
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any, Literal
 
@@ -79,27 +80,38 @@ class DataConfig:
     chat_template_date: str = ""
 
 
+EAGLE3_ONLY, DFLASH_ONLY = {"drafter": "eagle3"}, {"drafter": "dflash"}  # a field of one drafter kind only
+
+
 @dataclass(frozen=True)
 class DrafterConfig:
     """The drafter's fields under the reference trainers' names; the drafted length they set,
-    ``ttt_steps`` (EAGLE-3) or ``block_size - 1`` (DFlash), is ``drafter.k`` from then on."""
+    ``ttt_steps`` (EAGLE-3) or ``block_size - 1`` (DFlash), is ``drafter.k`` from then on. A field
+    of one kind only says so in its metadata (``fields_for``)."""
 
     kind: str = "eagle3"  # eagle3 | dflash
     target_layer_ids: tuple[int, ...] | None = None  # None = the drafter's reference default
     # EAGLE-3
-    draft_vocab_size: int = 32000
-    ttt_steps: int = DEFAULT_TTT_STEPS  # k, the TTT unroll
-    init_lm_head: bool = False  # start lm_head / norm from the target's (draft-vocab rows) instead of random
+    draft_vocab_size: int = field(default=32000, metadata=EAGLE3_ONLY)
+    ttt_steps: int = field(default=DEFAULT_TTT_STEPS, metadata=EAGLE3_ONLY)  # k, the TTT unroll
+    # start lm_head / norm from the target's (draft-vocab rows) instead of random
+    init_lm_head: bool = field(default=False, metadata=EAGLE3_ONLY)
     # DFlash
-    num_layers: int = 1
-    block_size: int = 16  # k + 1: the anchor and k drafted slots
-    num_anchors: int = 512  # anchors (blocks) per sequence
-    mask_token_id: int | None = None  # None = pick an unused target id, else a learned row
+    num_layers: int = field(default=1, metadata=DFLASH_ONLY)
+    block_size: int = field(default=16, metadata=DFLASH_ONLY)  # k + 1: the anchor and k drafted slots
+    num_anchors: int = field(default=512, metadata=DFLASH_ONLY)  # anchors (blocks) per sequence
+    # None = pick an unused target id, else a learned row
+    mask_token_id: int | None = field(default=None, metadata=DFLASH_ONLY)
 
     def __post_init__(self):
         from vatspec.drafters import check_kind
 
         check_kind(self.kind, "DrafterConfig")
+
+    @classmethod
+    def fields_for(cls, kind: str) -> list[str]:
+        """The fields that shape a drafter of ``kind``: those of every kind and its own, in order."""
+        return [f.name for f in dataclasses.fields(cls) if f.metadata.get("drafter", kind) == kind]
 
 
 @dataclass(frozen=True)
@@ -165,9 +177,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     """
     cfg = Config()
     if path:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist")
+        path = find_config(path)
         try:
             data = yaml.load(path.read_text(), Loader=_UniqueKeys) or {}
         except yaml.YAMLError as e:
@@ -178,6 +188,30 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     for item in overrides:
         cfg = merge(cfg, parse_override(item), source=f"override {item!r}")
     return check(resolve_loss(cfg))
+
+
+def installed_configs() -> dict[str, Path]:
+    """Every config the installed packages offer by name: ``NAME -> NAME.yaml`` of each folder registered under
+    the ``vatspec.configs`` entry point group (vatspec_recipes registers its ``configs/``)."""
+    found: dict[str, Path] = {}
+    for ep in entry_points(group="vatspec.configs"):
+        for file in sorted(Path(ep.load()).glob("*.yaml")):
+            found.setdefault(file.stem, file)  # the first package to offer a name keeps it
+    return found
+
+
+def find_config(name: str | Path) -> Path:
+    """The config file ``name`` stands for: that path if it is a file, else the installed config ``NAME`` (or
+    ``NAME.yaml``). A ``ConfigError`` listing the installed names otherwise."""
+    path = Path(name)
+    if path.is_file():
+        return path
+    installed = installed_configs()
+    if path.parent == Path(".") and path.name.removesuffix(".yaml") in installed:
+        return installed[path.name.removesuffix(".yaml")]
+    names = ", ".join(sorted(installed)) or "none"
+    raise ConfigError(f"config {name} does not exist: it is neither a file nor an installed config (installed: "
+                      f"{names})")
 
 
 def parse_override(item: str) -> dict:
@@ -419,7 +453,8 @@ def config_sources(path: str | Path | None = None,
         ("data.max_length", 4096, "recipes/qwen3-8b-eagle3-vat.yaml"), ("loss.soft", True, "resolved (...)")
     """
     cfg = load_config(path, overrides)  # every check and error message comes from here
-    layers = [(str(path), yaml.safe_load(Path(path).read_text()) or {})] if path else []
+    path = find_config(path) if path else None
+    layers = [(str(path), yaml.safe_load(path.read_text()) or {})] if path else []
     layers += [(f"override {item}", parse_override(item)) for item in overrides]
     given, source = Config(), {}  # given: the config before resolve_loss
     for where, data in layers:

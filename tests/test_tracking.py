@@ -44,7 +44,7 @@ def stores(tmp_path_factory):
                 v.mkdir()
             mp.setenv(k, str(v))
         for k in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_DISABLE_TELEMETRY", "WANDB_PROJECT",
-                  "WANDB_API_KEY", "TRACKIO_SPACE_ID", "TRACKIO_SERVER_URL"):
+                  "WANDB_ENTITY", "WANDB_API_KEY", "TRACKIO_SPACE_ID", "TRACKIO_SERVER_URL"):
             mp.delenv(k, raising=False)
         import trackio  # noqa: F401  its modules read $TRACKIO_DIR once, when first imported: set them all
 
@@ -317,8 +317,7 @@ def test_a_tracker_that_is_not_installed_is_refused_in_one_line_before_any_work(
 
 
 def test_demo_and_ablate_arms_log_to_the_trackers_asked_for(tmp_path):
-    from vatspec.commands.demo import with_trackers
-
+    from vatspec_recipes.demo import with_trackers
     from vatspec_recipes.experiment import arm_configs
     from vatspec_recipes.recipe import load_recipe
 
@@ -335,3 +334,75 @@ def test_a_tracked_run_that_cannot_be_reopened_is_named_in_one_line(monkeypatch,
     with pytest.raises(tracking.TrackingError, match=r"^mlflow could not open its run \(reopening \{'id': 'f00d'\} of "
                                                      rf"{tmp_path / tracking.STATE_FILE}\): MlflowException: "):
         tracking.open_trackers(["mlflow"], tmp_path, name="run", config={}, first_step=3, resume=True, logged=4)
+
+
+# each tracker's own environment variable for its project (Trackio reads none), written out here
+PROJECT_ENV = {"wandb": "WANDB_PROJECT", "trackio": None, "mlflow": "MLFLOW_EXPERIMENT_NAME"}
+
+
+def held_project(kind: str, folder: Path) -> tuple[str, str | None]:
+    """(project, entity) of the run the tracker's own store holds for ``folder`` (MLflow: the experiment)."""
+    if kind == "wandb":
+        (run,) = [r for _, r in _wandb_records(folder, "run")][-1:]
+        return run.project, run.entity or None
+    if kind == "trackio":
+        from trackio.sqlite_storage import SQLiteStorage
+
+        s = _state(folder, "trackio")
+        (project,) = [p for p in SQLiteStorage.get_projects()
+                      if SQLiteStorage.get_run_config(p, s["name"], run_id=s["id"])]
+        return project, None
+    client, rid = _mlflow(folder)
+    return client.get_experiment(client.get_run(rid).info.experiment_id).name, None
+
+
+def log_one_step(trackers, step: int = 1) -> None:
+    """A step logged (a Trackio run without one is not stored), then the trackers closed."""
+    trackers.log({"step": step, "loss": 0.5})
+    trackers.close()
+
+
+@pytest.mark.parametrize("kind", ["wandb", "trackio", "mlflow"])
+def test_the_project_is_the_config_s_else_the_tracker_s_environment_variable_else_vatspec(stores, tmp_path, kind,
+                                                                                         monkeypatch):
+    env = PROJECT_ENV[kind]
+    cases = [("", None, "vatspec"), ("", "from-env", "from-env" if env else "vatspec"),
+             ("from-config", "from-env", "from-config")]
+    for i, (project, from_env, want) in enumerate(cases):
+        if env and from_env:
+            monkeypatch.setenv(env, from_env)
+        folder = tmp_path / f"{kind}-{i}"
+        folder.mkdir()
+        log_one_step(tracking.open_trackers([kind], folder, name=folder.name, config={"x": 1}, project=project))
+        assert held_project(kind, folder)[0] == want, (project, from_env)
+
+
+def test_wandb_takes_its_entity_from_the_config_else_wandb_entity(stores, tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_ENTITY", "team-from-env")
+    for name, entity, want in (("env", "", "team-from-env"), ("config", "team-from-config", "team-from-config")):
+        (tmp_path / name).mkdir()
+        log_one_step(tracking.open_trackers(["wandb"], tmp_path / name, name=name, config={}, entity=entity))
+        assert held_project("wandb", tmp_path / name)[1] == want
+
+
+def test_a_training_run_logs_to_train_project(stores, tiny_target_dir, tmp_path, monkeypatch):
+    """``train.project`` reaches the trackers of a training run, over $MLFLOW_EXPERIMENT_NAME."""
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "from-env")
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(c) + "\n" for c in COUNT_CONVS))
+    run = tmp_path / "run"
+    train(train_cfg(tiny_target_dir, data, run, "train.report_to=mlflow", "train.project=from-config",
+                    "train.steps=1"), progress=False)
+    assert held_project("mlflow", run)[0] == "from-config"
+
+
+def test_a_reopened_run_stays_in_its_project(stores, tmp_path, monkeypatch):
+    """A resumed run reopens its tracked run in the project it was made in, whatever the environment says now."""
+    monkeypatch.setenv("WANDB_PROJECT", "first")
+    log_one_step(tracking.open_trackers(["wandb", "trackio"], tmp_path, name="run", config={}, project=""))
+    made = json.loads((tmp_path / tracking.STATE_FILE).read_text())
+    monkeypatch.setenv("WANDB_PROJECT", "second")
+    log_one_step(tracking.open_trackers(["wandb", "trackio"], tmp_path, name="run", config={}, project="other",
+                                        resume=True, logged=0), step=2)
+    assert json.loads((tmp_path / tracking.STATE_FILE).read_text()) == made  # the same runs
+    assert held_project("wandb", tmp_path)[0] == "first" and held_project("trackio", tmp_path)[0] == "vatspec"

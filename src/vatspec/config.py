@@ -152,6 +152,11 @@ class TrainConfig:
     # wandb, trackio, mlflow, as a list or comma-separated (train.report_to=tensorboard,wandb); each an extra
     # (pip install 'vatspec[wandb]'). Where each writes: vatspec/train/tracking.py
     report_to: tuple[str, ...] = ()
+    # the trackers' project (wandb's and Trackio's; MLflow's experiment) and wandb's entity (a team or user); "" = the
+    # tracker's own environment variable ($WANDB_PROJECT, $MLFLOW_EXPERIMENT_NAME, $WANDB_ENTITY), else "vatspec" and
+    # the account's default entity
+    project: str = ""
+    entity: str = ""
 
     def __post_init__(self):
         from vatspec.train.tracking import parse_report_to

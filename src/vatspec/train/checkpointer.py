@@ -32,7 +32,7 @@ from vatspec.train.tracking import Trackers, TrackingError, check_installed, ope
 # fields a resumed run may change: they say where, how often and how much to save or log, not what is computed
 RESUME_FREE = ("target.device", "target.device_map", "train.out_dir", "train.log_every", "train.eval_every",
                "train.save_every", "train.save_minutes", "train.keep_checkpoints", "train.parallel",
-               "train.report_to")
+               "train.report_to", "train.project", "train.entity")
 SAVES_PER_RUN = 10  # train.save_every unset: a checkpoint every total // 10 steps
 
 
@@ -147,7 +147,8 @@ class Checkpointer:
             try:
                 self.trackers[arm.run_dir] = open_trackers(
                     arm.cfg.train.report_to, arm.run_dir, name=arm.run_dir.resolve().name,
-                    config=yaml.safe_load(arm.config_yaml), first_step=step + 1, resume=self.resuming, logged=logged)
+                    config=yaml.safe_load(arm.config_yaml), first_step=step + 1, resume=self.resuming, logged=logged,
+                    project=arm.cfg.train.project, entity=arm.cfg.train.entity)
             except TrackingError as e:
                 raise TrainError(str(e)) from None
 

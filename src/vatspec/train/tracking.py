@@ -12,9 +12,14 @@ and folder. Where each one writes, unless the user's own settings say otherwise:
     tensorboard  RUN/tensorboard/
     wandb        RUN/wandb/ (or $WANDB_DIR), online or offline as the user's wandb settings say (WANDB_MODE=offline
                  needs no account); vatspec sets nothing that goes online
-    trackio      trackio's local store (or $TRACKIO_DIR), project "vatspec"
+    trackio      trackio's local store (or $TRACKIO_DIR)
     mlflow       RUN/mlflow/mlflow.db and RUN/mlflow/artifacts/, or $MLFLOW_TRACKING_URI; its usage telemetry off
                  unless $MLFLOW_DISABLE_TELEMETRY says otherwise
+
+The project a run goes to (wandb's and Trackio's project, MLflow's experiment) and wandb's entity: the config's
+``train.project`` / ``train.entity`` when set, else the tracker's own environment variable (``PROJECT_ENV``,
+``ENTITY_ENV``: $WANDB_PROJECT, $MLFLOW_EXPERIMENT_NAME, $WANDB_ENTITY; Trackio reads none), else ``PROJECT``
+and the account's default entity. A resumed run reopens its tracked run where it was (``trackers.json``).
 
 Resume: each tracker's run id is kept in ``RUN/trackers.json`` and ``--resume`` reopens that run. Every step
 reads back once. TensorBoard purges the steps after the checkpoint (``purge_step``) and takes them again, as
@@ -41,8 +46,10 @@ TRACKERS = ("tensorboard", "wandb", "trackio", "mlflow")
 # the modules each tracker imports: all present, or `pip install 'vatspec[NAME]'`
 NEEDS = {"tensorboard": ("tensorboard",), "wandb": ("wandb",), "trackio": ("trackio",),
          "mlflow": ("mlflow", "sqlalchemy", "alembic")}  # mlflow's local store is SQLite (its file store is retired)
-# wandb's project (unless $WANDB_PROJECT), Trackio's, MLflow's experiment (unless $MLFLOW_EXPERIMENT_NAME)
-PROJECT = "vatspec"
+PROJECT = "vatspec"  # the project (MLflow: experiment) when neither the config nor the environment names one
+# each tracker's own environment variable for its project, and for its entity (a team or user)
+PROJECT_ENV = {"wandb": "WANDB_PROJECT", "mlflow": "MLFLOW_EXPERIMENT_NAME"}
+ENTITY_ENV = {"wandb": "WANDB_ENTITY"}
 STATE_FILE = "trackers.json"
 
 
@@ -61,6 +68,18 @@ def parse_report_to(value: str | Sequence[str], where: str) -> tuple[str, ...]:
         if n not in TRACKERS:
             raise ValueError(f"{where}: unknown tracker {n!r} (choose from {', '.join(TRACKERS)}, or none)")
     return names
+
+
+def project_name(kind: str, project: str = "") -> str:
+    """The project (MLflow: experiment) a ``kind`` tracker logs to: ``project`` (``train.project``) when set, else
+    the tracker's own environment variable, else ``PROJECT``."""
+    return project or os.environ.get(PROJECT_ENV.get(kind, ""), "") or PROJECT
+
+
+def entity_name(kind: str, entity: str = "") -> str | None:
+    """The entity (team or user) a ``kind`` tracker logs to: ``entity`` when set, else its environment variable;
+    None: the account's default (or a tracker without entities)."""
+    return entity or os.environ.get(ENTITY_ENV.get(kind, ""), "") or None
 
 
 def check_installed(names: Sequence[str], where: str) -> None:
@@ -121,7 +140,9 @@ def markdown_tables(text: str) -> list[tuple[list[str], list[list[str]]]]:
 class Tracker(abc.ABC):
     """One tracked run: ``log`` a step's scalars, ``log_text`` a markdown report, ``log_image`` a PNG plot,
     ``close``. ``state`` is what ``trackers.json`` keeps to reopen it. ``rewrites``: a reopened run takes the
-    steps after the checkpoint again (it dropped them); else it keeps the ones it holds."""
+    steps after the checkpoint again (it dropped them); else it keeps the ones it holds. Each is built as
+    ``Kind(run_dir, name, config, first_step, state, project, entity)`` (``project`` / ``entity``: the config's,
+    "" when unset: ``project_name``, ``entity_name``)."""
 
     kind = ""
     rewrites = False
@@ -151,7 +172,8 @@ class TensorBoard(Tracker):
 
     kind, rewrites = "tensorboard", True
 
-    def __init__(self, run_dir: Path, name: str, config: dict, first_step: int, state: dict | None):
+    def __init__(self, run_dir: Path, name: str, config: dict, first_step: int, state: dict | None, project: str = "",
+                 entity: str = ""):
         from tensorboard.compat.proto.summary_pb2 import Summary
         from torch.utils.tensorboard import SummaryWriter
         from torch.utils.tensorboard.summary import hparams
@@ -184,12 +206,15 @@ class WandB(Tracker):
 
     kind = "wandb"
 
-    def __init__(self, run_dir: Path, name: str, config: dict, first_step: int, state: dict | None):
+    def __init__(self, run_dir: Path, name: str, config: dict, first_step: int, state: dict | None, project: str = "",
+                 entity: str = ""):
         import wandb
 
         self.wandb = wandb
+        state = state or {}  # a reopened run: in the project and entity it was made in
         self.run = wandb.init(
-            project=os.environ.get("WANDB_PROJECT") or PROJECT, name=name, id=state["id"] if state else None,
+            project=state.get("project") or project_name(self.kind, project),
+            entity=state.get("entity") or entity_name(self.kind, entity), name=name, id=state.get("id"),
             resume="allow" if state else None, dir=os.environ.get("WANDB_DIR") or str(run_dir),
             config={**config, "run_dir": str(run_dir)}, allow_val_change=True,  # a resume may change the config
             settings=wandb.Settings(reinit="create_new", console="off"))  # arms in lockstep: one run each
@@ -209,28 +234,30 @@ class WandB(Tracker):
         self.run.finish(exit_code=0 if ok else 1)
 
     def state(self) -> dict:
-        return {"id": self.run.id}
+        return {"id": self.run.id, "project": self.run.project, "entity": self.run.entity}
 
 
 class Trackio(Tracker):
-    """A run of the Trackio project "vatspec" in trackio's local store (or where $TRACKIO_SPACE_ID /
-    $TRACKIO_SERVER_URL send it); trackio reopens a run by its name, so the id is checked."""
+    """A run of a Trackio project in trackio's local store (or where $TRACKIO_SPACE_ID / $TRACKIO_SERVER_URL send
+    it); trackio reopens a run by its name, so the id is checked."""
 
     kind = "trackio"
 
-    def __init__(self, run_dir: Path, name: str, config: dict, first_step: int, state: dict | None):
+    def __init__(self, run_dir: Path, name: str, config: dict, first_step: int, state: dict | None, project: str = "",
+                 entity: str = ""):
         import trackio
         from trackio import context_vars
 
         self.trackio = trackio
+        self.project = (state or {}).get("project") or project_name(self.kind, project)
         with contextlib.redirect_stdout(sys.stderr):  # its banner is not the command's output
-            self.run = trackio.init(project=PROJECT, name=state["name"] if state else name,
+            self.run = trackio.init(project=self.project, name=state["name"] if state else name,
                                     config={**config, "run_dir": str(run_dir)}, resume="must" if state else "never",
                                     auto_log_cpu=False, auto_log_gpu=False, embed=False)
         # trackio.init finishes the run it made last: arms trained in lockstep each keep their own
         context_vars.current_run.set(None)
         if state and self.run.id != state["id"]:
-            raise TrackingError(f"{run_dir / STATE_FILE}: trackio run {state['name']!r} of project {PROJECT!r} is "
+            raise TrackingError(f"{run_dir / STATE_FILE}: trackio run {state['name']!r} of project {self.project!r} is "
                                 f"now {self.run.id}, not {state['id']} (another run took its name)")
 
     def log(self, step: int, values: dict[str, float]) -> None:
@@ -247,7 +274,7 @@ class Trackio(Tracker):
             self.run.finish()
 
     def state(self) -> dict:
-        return {"id": self.run.id, "name": self.run.name}
+        return {"id": self.run.id, "name": self.run.name, "project": self.project}
 
 
 class MLflow(Tracker):
@@ -256,7 +283,8 @@ class MLflow(Tracker):
 
     kind = "mlflow"
 
-    def __init__(self, run_dir: Path, name: str, config: dict, first_step: int, state: dict | None):
+    def __init__(self, run_dir: Path, name: str, config: dict, first_step: int, state: dict | None, project: str = "",
+                 entity: str = ""):
         # MLflow reports its usage online unless told not to (read when it is imported); the user's own setting wins
         os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
         from mlflow.entities import Metric, Param
@@ -273,7 +301,7 @@ class MLflow(Tracker):
             self.id = state["id"]
             self.client.update_run(self.id, status="RUNNING")
             return
-        experiment = os.environ.get("MLFLOW_EXPERIMENT_NAME") or PROJECT
+        experiment = project_name(self.kind, project)
         found = self.client.get_experiment_by_name(experiment)
         eid = found.experiment_id if found else self.client.create_experiment(
             experiment, artifact_location=None if os.environ.get("MLFLOW_TRACKING_URI")
@@ -341,11 +369,12 @@ class Trackers:
 
 
 def open_trackers(names: Sequence[str], run_dir: Path, *, name: str, config: dict, first_step: int = 0,
-                  resume: bool = False, logged: int = 0) -> Trackers:
+                  resume: bool = False, logged: int = 0, project: str = "", entity: str = "") -> Trackers:
     """The trackers ``names`` for the run folder ``run_dir`` (its run ``name``; ``config`` as hyper-parameters).
     ``first_step``: the first step this session logs. ``resume``: reopen the runs ``trackers.json`` names
     (a tracker it does not name starts a new run), ``logged`` the last step ``metrics.jsonl`` held before it
-    was cut back. Writes ``trackers.json``."""
+    was cut back. ``project`` / ``entity``: ``train.project`` / ``train.entity`` ("": each tracker's environment
+    variable, else the default; ``project_name``). Writes ``trackers.json``."""
     if not names:
         return Trackers([])
     check_installed(names, "report_to")
@@ -361,7 +390,7 @@ def open_trackers(names: Sequence[str], run_dir: Path, *, name: str, config: dic
     try:
         for n in names:
             try:
-                opened.append(BACKENDS[n](run_dir, name, config, first_step, saved.get(n)))
+                opened.append(BACKENDS[n](run_dir, name, config, first_step, saved.get(n), project, entity))
             except TrackingError:
                 raise
             except Exception as e:  # the library's own error (a store, a login, a lost run), said in one line

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from tests.conftest import tiny_llama
-from vatspec.drafters import dflash_session
 from vatspec.drafters.base import AcceptHead, DraftOutput
 from vatspec.drafters.dflash import (
     Anchors,
@@ -18,6 +17,7 @@ from vatspec.drafters.dflash import (
     default_target_layer_ids,
     pick_mask_token,
 )
+from vatspec.drafters.dflash import session as dflash_session
 from vatspec.target import Target
 
 BLOCK = 4  # k = 3 slots: small enough for hand-checked indices

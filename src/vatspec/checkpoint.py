@@ -24,6 +24,7 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -31,8 +32,10 @@ import yaml
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from vatspec.drafters.base import HEAD_RULES, AcceptHead
 from vatspec.outputs import WRITE_ERRORS, user_mode, write_error
+
+if TYPE_CHECKING:  # the drafters' served formats raise a CheckpointError: they import this module, not the reverse
+    from vatspec.drafters.base import AcceptHead
 
 
 class CheckpointError(RuntimeError):
@@ -126,16 +129,15 @@ def resolve_checkpoint(path: str | Path) -> Path:
 def load_checkpoint_draft(ckpt: Path, target, device, k: int | None = None):
     """A training checkpoint folder -> ``(drafter, head | None)`` on ``device``, in eval mode."""
     from vatspec.drafters import drafter_from_dict
+    from vatspec.drafters.base import AcceptHead
 
     try:
         meta = json.loads((ckpt / "drafter.json").read_text())
         kind, config = meta["kind"], dict(meta["config"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{ckpt / 'drafter.json'}: unreadable ({e!r}); expected {{kind, config}}") from e
-    if k is not None and kind == "eagle3":
-        config["ttt_steps"] = int(k)  # an unroll length: no parameter depends on it
-    try:
-        drafter = drafter_from_dict(kind, config, target, source=str(ckpt / "drafter.json"))
+    try:  # k replaces the drafter's where it is a setting (EAGLE-3's unroll), not where the weights fix it
+        drafter = drafter_from_dict(kind, config, target, source=str(ckpt / "drafter.json"), k=k)
     except (ValueError, TypeError) as e:
         raise CheckpointError(str(e)) from e
     try:
@@ -157,6 +159,8 @@ def load_checkpoint_draft(ckpt: Path, target, device, k: int | None = None):
 def _head_label(ckpt: Path) -> str:
     """What the checkpoint's head was trained on (``loss.head_label`` of its ``config.yaml``): "alive"
     (VAT) or "alpha" (DSpark's confidence head); "alive" for a checkpoint older than the field."""
+    from vatspec.drafters.base import HEAD_RULES
+
     if not (ckpt / "config.yaml").is_file():
         return "alive"
     try:

@@ -1,6 +1,7 @@
-"""What every drafter gives the training loop, and the accept head that sits beside it.
+"""The drafter interface every kind implements (``Drafter``), what it gives the training loop
+(``DraftOutput``, ``DrafterPlan``), and the accept head that sits beside it.
 
-One loop trains both drafters because each reduces a batch to the same shape: N verification
+One loop trains every drafter because each reduces a batch to the same shape: N verification
 chains of k drafted positions (EAGLE-3: one chain per sequence index, k = TTT steps; DFlash: one
 chain per anchor, k = block_size - 1 slots; ``drafter.k`` either way). Verification, weights and
 losses then act on ``[..., k]`` without knowing which drafter made them.
@@ -9,8 +10,8 @@ losses then act on ``[..., k]`` without knowing which drafter made them.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, fields
-from typing import Any, TypeVar
+from dataclasses import asdict, dataclass, field, fields
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -18,6 +19,9 @@ from torch import Tensor, nn
 # a drafter's linears are plain: the decode loop gives a step's few rows the faster kernel of this CPU
 # (``vatspec.eval.kernels.few_row_kernel``), for the draft as for the target
 from torch.nn import Linear
+
+if TYPE_CHECKING:
+    from vatspec.drafters.served import ServedFormat
 
 
 @dataclass
@@ -79,6 +83,16 @@ class DraftOutput:
         assert self.target_head is None or self.target_vocab_size, "target_head needs target_vocab_size"
 
 
+@dataclass
+class DrafterPlan:
+    """What one micro-batch needs: where the target must produce logits (None = everywhere)
+    and the extra keyword arguments of ``training_forward`` (DFlash's anchors)."""
+
+    logits_at: Tensor | None = None  # bool [B, T]
+    kwargs: dict = field(default_factory=dict)
+    target_logits: bool = True  # False: the chunked path computes them from the target's hidden state
+
+
 def batch_field(batch: Any, name: str, required: bool = True) -> Tensor | None:
     """``batch[name]`` of a mapping, else ``batch.name`` (a ``Batch``); a missing required field fails."""
     value = batch.get(name) if isinstance(batch, Mapping) else getattr(batch, name, None)
@@ -121,6 +135,85 @@ class SavedConfig:
         if unknown:
             raise ValueError(f"{cls.__name__}: unknown keys {unknown} (known: {sorted(known)})")
         return cls(**dict(d))
+
+
+class Drafter(nn.Module):
+    """The interface every drafter kind implements; ``vatspec.drafters.DRAFTERS`` lists each subclass under its
+    ``kind``. Training, the feature cache, checkpoints, exports, ``check`` and decoding hold a ``Drafter`` (or its
+    class) and ask it what they need, never which kind it is.
+
+    The kind, asked before there is a drafter (class attributes and class methods):
+        kind, title        the name in configs, checkpoints and records ("eagle3"), and the one users read
+        config_class       its frozen config (a ``SavedConfig``: every checkpoint's ``drafter.json``)
+        schedule           the fixed loss curve of its reference trainer (``LossConfig.resolve``), and
+        baseline_loss      that trainer's ``loss.kind``
+        reference_optim    that trainer's ``lr``, ``warmup_ratio`` and ``grad_clip``
+        formats            its served formats (``vatspec.drafters.served.ServedFormat``), the default first
+        fixed_depth        its decoder layers where fixed (EAGLE-3: 1); None: ``drafter.num_layers`` sets them
+    The drafter: ``config``, ``k`` (drafted positions per chain and per decode round), ``target_layer_ids``,
+    ``hidden_size`` (the accept head's input), ``d2t`` / ``t2d`` (its draft vocabulary; None: the target's),
+    ``attach_target``, ``training_forward`` (-> ``DraftOutput``) and ``new_session`` (decoding, batch size 1).
+    """
+
+    kind: ClassVar[str]
+    title: ClassVar[str]
+    config_class: ClassVar[type[SavedConfig]]
+    schedule: ClassVar[str]
+    baseline_loss: ClassVar[str]
+    reference_optim: ClassVar[dict[str, float]]
+    formats: ClassVar[tuple[ServedFormat, ...]]
+    fixed_depth: ClassVar[int | None] = None
+
+    @classmethod
+    def build(cls, cfg, target, token_counts: Tensor | None = None) -> Drafter:
+        """A freshly initialised drafter for ``target`` from a ``DrafterConfig`` (``token_counts`` [V]: the
+        supervised tokens' counts, for a drafter that picks a draft vocabulary)."""
+        raise NotImplementedError
+
+    @classmethod
+    def default_layer_ids(cls, num_target_layers: int, num_layers: int = 1) -> list[int]:
+        """The target layers (output of layer i) a drafter of ``num_layers`` layers reads unless told: distinct,
+        as training builds them. A ``ValueError`` naming ``drafter.target_layer_ids`` for a target too shallow."""
+        raise NotImplementedError
+
+    @classmethod
+    def curve_block(cls, cfg) -> int | None:
+        """The block a ``dflash`` loss curve takes its default gamma from (``LossConfig.resolve``); None: none."""
+        return None
+
+    @classmethod
+    def config_with_k(cls, config: dict, k: int) -> dict:
+        """A saved config (``to_dict``) drafting ``k`` per chain, where k is a setting no weight depends on;
+        unchanged where the weights fix it."""
+        return config
+
+    @property
+    def max_k(self) -> int | None:
+        """The most tokens a decode round can draft; None: any number."""
+        return None
+
+    def init_mismatch(self, cfg, vocab_size: int) -> str | None:
+        """What of a ``DrafterConfig`` this drafter, trained on from ``--init-from``, does not have, as
+        "has X, but drafter.F=Y; pass drafter.F=X"; None when it fits."""
+        return None
+
+    def plan_batch(self, batch, cfg, generator: torch.Generator | None, *, with_logits: bool = True) -> DrafterPlan:
+        """What the target must compute for ``batch`` (by default: logits everywhere) and the keyword arguments of
+        ``training_forward``. ``with_logits=False``: the drafter returns its hidden state and lm_head instead of
+        logits (the chunked loss path, ``vatspec.objective.chunked``)."""
+        return DrafterPlan(kwargs={} if with_logits else {"with_logits": False}, target_logits=with_logits)
+
+    def attach_target(self, target) -> None:
+        """Read the target's frozen pieces (embedding, lm_head) by reference: never parameters, never saved."""
+        raise NotImplementedError
+
+    def training_forward(self, batch, tout, **kwargs) -> DraftOutput:
+        """The batch's chains of k drafted positions, from the target's output ``tout`` (``plan_batch``'s kwargs)."""
+        raise NotImplementedError
+
+    def new_session(self, head: AcceptHead | None = None, exit_threshold: float | None = None):
+        """A decoding session for one sequence: ``extend(features, tokens)``, ``propose(k, ...) -> Proposal``."""
+        raise NotImplementedError
 
 
 HEAD_RULES = {  # the head's label -> what its sigmoid is, and how decoding reads it

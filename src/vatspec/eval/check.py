@@ -22,10 +22,10 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from vatspec.drafters.layers import rope_parameters
-from vatspec.drafters.vocab import check_draft_vocab
+from vatspec.drafters.served import Finding, ServedFormat, embedding_matches
 from vatspec.eval.decode import generate
-from vatspec.export.formats import CONFIG, MASK_FILE, ExportError, detect_format, read_json, served_layer_ids
-from vatspec.export.read import embedding_matches, import_draft, load_accept_head
+from vatspec.export.formats import CONFIG, ExportError, detect, read_json
+from vatspec.export.read import import_draft, load_accept_head
 from vatspec.export.record import RECORD, read_record, target_fingerprint
 
 # "far below training": the served draft accepts less than this fraction of the drafted tokens per
@@ -34,13 +34,6 @@ from vatspec.export.record import RECORD, read_record, target_fingerprint
 # it by tens of percent, not by half.
 COLLAPSE_RATIO = 0.5
 MIN_TRAINED_ACCEPT = 0.05  # below this many accepted drafts per chain in training there is nothing to compare
-
-
-@dataclass
-class Finding:
-    ok: bool
-    what: str  # the convention checked, e.g. "layer ids"
-    detail: str  # what was found; names the field or tensor
 
 
 @dataclass
@@ -66,15 +59,14 @@ def convention_findings(folder: Path, target) -> tuple[str | None, list[Finding]
     src = folder / CONFIG
     try:
         cfg = read_json(src)
-        fmt = detect_format(cfg, str(src))
+        fmt = detect(cfg, str(src))
     except ExportError as e:
         return None, [Finding(False, "format", str(e))]
-    out = [Finding(True, "format", f"{fmt} ({', '.join(cfg.get('architectures') or [])})")]
-    lc = cfg.get("transformer_layer_config") if fmt == "speculators" else cfg
-    lc = lc if isinstance(lc, dict) else {}
+    out = [Finding(True, "format", f"{fmt.name} ({', '.join(cfg.get('architectures') or [])})")]
+    lc = fmt.layer_config(cfg)
 
     # 1. layer ids: in range, distinct, increasing (the engines capture layers in the order they run)
-    ids, problems = served_layer_ids(fmt, cfg, target.num_layers)
+    ids, problems = fmt.layer_ids(cfg, target.num_layers)
     out += [Finding(False, "layer ids", p) for p in problems]
     L = target.num_layers
     if ids:
@@ -97,27 +89,14 @@ def convention_findings(folder: Path, target) -> tuple[str | None, list[Finding]
                            f"was trained on {trained} (vatspec.json)"))
 
     # 2. sizes: the draft shares the target's embedding (and, DFlash, its lm_head)
-    sizes = {"vocab_size": (lc.get("vocab_size"), target.vocab_size),
-             "hidden_size": (lc.get("hidden_size"), target.hidden_size),
-             "target_hidden_size": (cfg.get("target_hidden_size") or lc.get("hidden_size"), target.hidden_size)}
-    if fmt == "dflash":
-        sizes["num_target_layers"] = ((cfg.get("dflash_config") or {}).get("num_target_layers",
-                                                                          cfg.get("num_target_layers", L)), L)
-    bad = [f"{n}={have} (target {want})" for n, (have, want) in sizes.items() if have != want]
+    bad = [f"{n}={have} (target {want})" for n, (have, want) in fmt.sizes(cfg, target).items() if have != want]
     out.append(Finding(not bad, "sizes", "; ".join(bad) if bad else "vocab, hidden and layer counts match the target"))
 
     # 3. RoPE: the draft layer must rotate as it trained: DFlash like the target; EAGLE-3 (its own model) like the
     # target where the engines serve its scaling as transformers computes it (linear, llama3, yarn), else plain at
     # the target's theta (dynamic, longrope), as it trains
     theta, scaling = rope_parameters(lc)
-    if fmt == "dflash":
-        t_theta, t_scaling = rope_parameters(target.config)
-    else:
-        from vatspec.drafters.eagle3 import rope_from_config
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # training said it once already
-            t_theta, t_scaling = rope_from_config(target.config)
+    t_theta, t_scaling = fmt.target_rope(target.config)
     same = math.isclose(theta, t_theta, rel_tol=1e-6) and (scaling or None) == (t_scaling or None)
     out.append(Finding(same, "rope", f"rope_theta {theta:g}, scaling {scaling}" + (" = the target's" if same else
                        f"; the target's: rope_theta {t_theta:g}, scaling {t_scaling}")))
@@ -125,9 +104,8 @@ def convention_findings(folder: Path, target) -> tuple[str | None, list[Finding]
     # 4. weights: the draft vocabulary maps and the embedding the loaders use
     out += _weight_findings(fmt, cfg, folder, target)
 
-    # 5. DFlash: the MASK token
-    if fmt == "dflash":
-        out.append(_mask_finding(cfg, folder, target))
+    # 5. the format's own conventions (DFlash: the MASK token)
+    out += fmt.findings(cfg, folder, target)
 
     # 6. tokenizer and chat template, when recorded
     if record is not None:
@@ -149,10 +127,10 @@ def convention_findings(folder: Path, target) -> tuple[str | None, list[Finding]
             a, b = have.get("chat_template_date"), want.get("chat_template_date")
             out.append(Finding(a == b, "template date", f"{b}, as trained" if a == b else
                                f"rendered on {b} but trained on {a} (vatspec.json): pass --chat-template-date {a}"))
-    return fmt, out
+    return fmt.name, out
 
 
-def _weight_findings(fmt: str, cfg: dict, folder: Path, target) -> list[Finding]:
+def _weight_findings(fmt: ServedFormat, cfg: dict, folder: Path, target) -> list[Finding]:
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         return [Finding(False, "weights", f"no *.safetensors in {folder}")]
@@ -183,23 +161,7 @@ def _weight_findings(fmt: str, cfg: dict, folder: Path, target) -> list[Finding]
         same = embedding_matches(get(emb), target)
         out.append(Finding(same, "embedding", f"{emb} is the target's input embedding" if same else
                            f"{emb} is not the target's input embedding: the engines draft with it"))
-    elif fmt == "speculators":
-        out.append(Finding(False, "embedding", "embed_tokens.weight is missing: the speculators library leaves a "
-                           "missing embedding uninitialised (it copies the verifier's only over a NaN placeholder)"))
-    if fmt != "dflash":
-        if "d2t" in tensors and "t2d" in tensors:
-            try:
-                check_draft_vocab(get("d2t"), get("t2d"))
-                d2t = get("d2t")
-                size = cfg.get("draft_vocab_size")
-                ok = size is None or d2t.numel() == size
-                out.append(Finding(ok, "vocab maps", f"d2t / t2d consistent, {d2t.numel()} draft tokens" if ok else
-                                   f"d2t has {d2t.numel()} entries, draft_vocab_size is {size}"))
-            except ValueError as e:
-                out.append(Finding(False, "vocab maps", f"d2t / t2d: {e}"))
-        elif cfg.get("draft_vocab_size") not in (None, target.vocab_size):
-            out.append(Finding(False, "vocab maps", f"draft_vocab_size {cfg['draft_vocab_size']} without d2t / t2d"))
-    return out
+    return out + fmt.weight_findings(cfg, values, target)
 
 
 def _values_finding(tensors: dict[str, torch.Tensor]) -> Finding:
@@ -237,29 +199,6 @@ def _dtype_finding(cfg: dict, tensors: dict[str, torch.Tensor]) -> Finding:
                        f"(torch_dtype): a conversion that stopped half way or a hand-edited config")
     return Finding(True, "weight dtype", f"{have or 'no floating tensors'}" + (", as config.json declares"
                                                                                  if declared else ""))
-
-
-def _mask_finding(cfg: dict, folder: Path, target) -> Finding:
-    dc = cfg.get("dflash_config") or {}
-    mask_id, mask = dc.get("mask_token_id", cfg.get("mask_token_id")), dc.get("mask_token")
-    tok = target.tokenizer
-    if mask_id is None:
-        vocab = tok.get_vocab() if tok is not None and hasattr(tok, "get_vocab") else {}
-        mask_id = vocab.get(mask or "<|MASK|>")
-        if mask_id is None:
-            return Finding(False, "mask token", f"no mask_token_id and the tokenizer has no {mask or '<|MASK|>'!r}")
-    if not (isinstance(mask_id, int) and 0 <= mask_id < target.vocab_size):
-        return Finding(False, "mask token", f"mask_token_id {mask_id} outside the vocabulary [0, {target.vocab_size})")
-    if mask_id in target.eos_token_ids:
-        return Finding(False, "mask token", f"mask_token_id {mask_id} is an end-of-turn token of the target")
-    name = tok.convert_ids_to_tokens(mask_id) if tok is not None else None
-    if mask is not None and name is not None and name != mask:
-        return Finding(False, "mask token", f"mask_token {mask!r} but id {mask_id} is {name!r} in the target's "
-                       "tokenizer (SGLang looks the string up, vLLM and the reference use the id)")
-    learned = (folder / MASK_FILE).is_file()
-    return Finding(True, "mask token", f"id {mask_id}" + (f" ({name!r})" if name else "") + (
-        f"; a learned row in {MASK_FILE} (vLLM puts it in the draft's lookup of the id, SGLang in the target's "
-        "embedding row; z-lab's reference ignores it)" if learned else ", embedded with the target's row"))
 
 
 # ----------------------------------------------------------------------------- acceptance

@@ -16,7 +16,6 @@ from importlib import resources
 
 __all__ = ["describe", "engine_support", "layer_kinds", "summary"]
 
-METHODS = {"eagle3": "EAGLE-3", "dflash": "DFlash"}
 # transformers' ``layer_types`` names -> what the summary calls them
 KIND_NAMES = {
     "full_attention": "attention",
@@ -72,9 +71,11 @@ def engine_support() -> dict:
 
 
 def _engines(architectures: list[str]) -> dict[str, dict[str, bool]]:
+    """Per engine, per drafter kind (the table's keys): whether it serves that kind's drafts for these."""
+    from vatspec.drafters import DRAFTERS
+
     table = engine_support()
-    return {f"{engine} {info['version']}": {m: any(a in info.get(m, []) for a in architectures)
-                                            for m in ("eagle3", "dflash")}
+    return {f"{engine} {info['version']}": {m: any(a in info.get(m, []) for a in architectures) for m in DRAFTERS}
             for engine, info in table.items() if isinstance(info, dict) and "version" in info}
 
 
@@ -114,8 +115,7 @@ def _ids(default) -> list[int] | None:
 
 def summary(target) -> dict:
     """The target's architecture as a dict (``describe`` prints it)."""
-    from vatspec.drafters.dflash_config import default_target_layer_ids
-    from vatspec.drafters.eagle3 import default_layer_ids
+    from vatspec.drafters import DRAFTERS
     from vatspec.drafters.layers import rope_parameters
     from vatspec.target.rollback import plan
 
@@ -132,8 +132,8 @@ def summary(target) -> dict:
         "window": _window(cfg),
         "experts": _experts(cfg),
         "mla": bool(getattr(cfg, "kv_lora_rank", None)),
-        "eagle3_layer_ids": _ids(lambda: default_layer_ids(target.num_layers, distinct=True)),
-        "dflash_layer_ids": _ids(lambda: default_target_layer_ids(target.num_layers, 1, distinct=True)),
+        **{f"{kind}_layer_ids": _ids(lambda cls=cls: cls.default_layer_ids(target.num_layers))
+           for kind, cls in DRAFTERS.items()},  # a one-layer draft's
         "rope_scaling": (scaling or {}).get("rope_type"),
         "logits": _logits(cfg),
         "rollback": plan(target).describe() if _runs_forward(target) else None,
@@ -144,20 +144,23 @@ def summary(target) -> dict:
 
 def describe(target) -> list[str]:
     """The summary in a few lines, for the commands to print when they open a target."""
+    from vatspec.drafters import DRAFTERS
+
     s = summary(target)
     kinds = ", ".join(f"{n} x{c}" for n, c in s["kinds"].items())
     extra = [f"{s['experts']} experts"] if s["experts"] else []
     extra += ["MLA"] if s["mla"] else []
     lines = [f"target {'/'.join(s['architectures'])}: {s['layers']} layers: {kinds}"
              + (f" ({s['window']})" if s["window"] else "") + (f"; {', '.join(extra)}" if extra else "")]
-    eagle3 = s["eagle3_layer_ids"] or "none by default (too shallow)"
-    lines.append(f"  drafters read layers: EAGLE-3 {eagle3}, DFlash {s['dflash_layer_ids']} (default)"
+    read = ", ".join(f"{cls.title} {s[f'{kind}_layer_ids'] or 'none by default (too shallow)'}"
+                     for kind, cls in DRAFTERS.items())
+    lines.append(f"  drafters read layers: {read} (default)"
                  f"; RoPE {s['rope_scaling'] or 'plain'}; logits: {', '.join(s['logits']) or 'lm_head only'}")
     if s["rollback"]:
         lines.append(f"  verification takes the cache back by: {s['rollback']}")
     served = []
     for engine, methods in s["engines"].items():
-        said = ", ".join(f"{METHODS[m]} {'yes' if ok else 'no'}" for m, ok in methods.items())
+        said = ", ".join(f"{DRAFTERS[m].title} {'yes' if ok else 'no'}" for m, ok in methods.items())
         served.append(f"{engine}: {said}")
     if served:
         lines.append("  engines serve drafts for it: " + "; ".join(served))

@@ -32,158 +32,16 @@ ends at t and i tokens have been drafted (``Eagle3Session``), which the tests ch
 from __future__ import annotations
 
 import copy
-import warnings
-from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
-from transformers.activations import ACT2FN
 
-from vatspec.drafters import DEFAULT_TTT_STEPS
-from vatspec.drafters.base import AcceptHead, DraftOutput, Linear, SavedConfig, batch_field, distinct_layers
-from vatspec.drafters.eagle3_session import Eagle3Session
-from vatspec.drafters.layers import (
-    MLP,
-    RMSNorm,
-    apply_rope,
-    attention,
-    draft_activation,
-    rope_cos_sin,
-    rope_init,
-    rope_parameters,
-)
-from vatspec.drafters.vocab import check_draft_vocab
-
-# RoPE scalings the draft carries from its target: those the engines' Llama layer (vLLM and SGLang ``get_rope``)
-# computes for the draft's config.json as transformers does. Not ``dynamic`` (vLLM and SGLang rotate with one base
-# for the whole context, transformers rescales it with the sequence length) nor ``longrope`` (a table switched by
-# sequence length): with those the draft trains and is served with plain RoPE at the target's theta.
-DRAFT_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-# the keys of those types transformers' initialisers read (``modeling_rope_utils``); others are not carried
-_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings",
-              "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate")
-
-
-# ----------------------------------------------------------------------------- config
-def default_layer_ids(num_layers: int, *, distinct: bool = False) -> tuple[int, int, int]:
-    """Reference low/mid/high layers: outputs of layers ``1, L//2 - 1, L - 4`` (our layer ids), the engines'
-    default. ``distinct`` (what training builds): a layer the formula repeats on a target under 7 layers
-    moves up to the next one (``distinct_layers``)."""
-    ids = (1, num_layers // 2 - 1, num_layers - 4)
-    if min(ids) < 0 or max(ids) >= num_layers:
-        raise ValueError(
-            f"a {num_layers}-layer target is too shallow for the default EAGLE-3 layers {ids}; "
-            "set drafter.target_layer_ids"
-        )
-    return tuple(distinct_layers(list(ids), num_layers, "EAGLE-3")) if distinct else ids
-
-
-def rope_from_config(cfg) -> tuple[float, dict | None]:
-    """``(rope_theta, rope_scaling | None)`` of the draft for a HF target config (``rope_parameters``).
-
-    Keeps the scaling types of ``DRAFT_ROPE_TYPES`` (linear, llama3, yarn: gpt-oss, DeepSeek-V3, Qwen3 long
-    context) and their keys, so the draft rotates as its target in training, in its export and in ``check``;
-    others are dropped with a warning, and the draft trains and is exported with plain RoPE (it is its own
-    model: it only has to agree with its served config, not with the target's RoPE).
-    """
-    theta, scaling = rope_parameters(cfg)
-    if scaling is None:
-        return theta, None
-    rope_type = scaling["rope_type"]
-    if rope_type not in DRAFT_ROPE_TYPES:
-        warnings.warn(
-            f"target RoPE scaling {rope_type!r} is not one the engines serve an EAGLE-3 draft with as transformers "
-            f"computes it ({', '.join(DRAFT_ROPE_TYPES[1:])}); the draft uses plain RoPE",
-            stacklevel=2,
-        )
-        return theta, None
-    return theta, {"rope_type": rope_type, **{key: scaling[key] for key in _ROPE_KEYS if key in scaling}}
-
-
-@dataclass(frozen=True)
-class Eagle3Config(SavedConfig):
-    """Everything that shapes an EAGLE-3 draft; saved with every checkpoint (``to_dict``)."""
-
-    hidden_size: int
-    target_hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    rms_norm_eps: float
-    rope_theta: float
-    vocab_size: int  # target vocabulary V
-    draft_vocab_size: int  # Vd <= V
-    target_layer_ids: tuple[int, ...]  # our convention: output of decoder layer i
-    ttt_steps: int = DEFAULT_TTT_STEPS  # the reference trainers' name; everything downstream reads ``k``
-    max_position_embeddings: int = 2048
-    hidden_act: str = "silu"  # ``from_target`` builds SiLU; another loads (an older checkpoint) but is not exported
-    rope_scaling: dict | None = field(default=None, hash=False)  # {"rope_type": "linear"|"llama3"|"yarn", ...}
-
-    def __post_init__(self):
-        object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
-        problems = []
-        if not self.target_layer_ids:
-            problems.append("target_layer_ids is empty")
-        if self.num_heads % self.num_kv_heads:
-            problems.append(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
-        if self.head_dim % 2:
-            problems.append(f"head_dim={self.head_dim} must be even for RoPE")
-        if not 1 <= self.draft_vocab_size <= self.vocab_size:
-            problems.append(f"draft_vocab_size={self.draft_vocab_size} must be in [1, vocab_size={self.vocab_size}]")
-        if self.ttt_steps < 1:
-            problems.append(f"ttt_steps={self.ttt_steps} must be >= 1")
-        if self.hidden_act not in ACT2FN:
-            problems.append(f"hidden_act={self.hidden_act!r} is not a known activation")
-        rt = (self.rope_scaling or {}).get("rope_type", "default")
-        if rt not in DRAFT_ROPE_TYPES:
-            problems.append(f"rope_scaling.rope_type={rt!r} is not one of {DRAFT_ROPE_TYPES}")
-        if problems:
-            raise ValueError("Eagle3Config: " + "; ".join(problems))
-
-    @classmethod
-    def from_target(
-        cls,
-        target,
-        draft_vocab_size: int = 32000,
-        ttt_steps: int = DEFAULT_TTT_STEPS,
-        target_layer_ids: Sequence[int] | None = None,
-    ) -> Eagle3Config:
-        """Reference shapes for ``target``: draft width = target width, the target's attention
-        geometry, MLP size, norm eps and RoPE (``rope_from_config``); draft vocabulary capped by the
-        target's. The MLP runs SiLU whatever the target's does (``draft_activation``): the engines'
-        EAGLE-3 layer runs nothing else."""
-        cfg = target.config
-        ids = (tuple(target_layer_ids) if target_layer_ids is not None
-               else default_layer_ids(target.num_layers, distinct=True))
-        target.check_layer_ids(ids)
-        H = int(target.hidden_size)
-        nh = int(cfg.num_attention_heads)
-        nkv = int(getattr(cfg, "num_key_value_heads", None) or nh)
-        theta, scaling = rope_from_config(cfg)
-        return cls(
-            hidden_size=H,
-            target_hidden_size=H,
-            num_heads=nh,
-            num_kv_heads=nkv,
-            head_dim=int(getattr(cfg, "head_dim", None) or H // nh),
-            intermediate_size=int(cfg.intermediate_size),
-            rms_norm_eps=float(getattr(cfg, "rms_norm_eps", None) or 1e-6),
-            rope_theta=theta,
-            vocab_size=int(target.vocab_size),
-            draft_vocab_size=min(int(draft_vocab_size), int(target.vocab_size)),
-            target_layer_ids=ids,
-            ttt_steps=int(ttt_steps),
-            max_position_embeddings=int(getattr(cfg, "max_position_embeddings", None) or 2048),
-            hidden_act=draft_activation(cfg, "EAGLE-3"),
-            rope_scaling=scaling,
-        )
-
-    @property
-    def k(self) -> int:
-        """Drafted positions per chain (training) and per decode round: the TTT steps."""
-        return self.ttt_steps
+from vatspec.drafters.base import AcceptHead, Drafter, DraftOutput, Linear, batch_field
+from vatspec.drafters.eagle3.config import Eagle3Config, default_layer_ids
+from vatspec.drafters.eagle3.formats import EAGLE3_HF, SPECULATORS
+from vatspec.drafters.eagle3.session import Eagle3Session
+from vatspec.drafters.layers import MLP, RMSNorm, apply_rope, attention, rope_cos_sin, rope_init
+from vatspec.drafters.vocab import build_draft_vocab, check_draft_vocab, target_ids
 
 
 # ----------------------------------------------------------------------------- layers
@@ -255,11 +113,17 @@ class _UnrollAttend:
 
 
 # ----------------------------------------------------------------------------- drafter
-class Eagle3Drafter(nn.Module):
+class Eagle3Drafter(Drafter):
     """EAGLE-3 draft model. Training: ``training_forward``; inference: ``new_session``."""
 
     kind = "eagle3"
+    title = "EAGLE-3"
+    config_class = Eagle3Config
     schedule = "eagle3"  # fixed-weight curve of the losses: 0.8 ** j at 0-based position j
+    baseline_loss = "eagle3"  # soft CE on that curve (SpecForge)
+    reference_optim = {"lr": 1e-4, "warmup_ratio": 0.015, "grad_clip": 0.5}  # SpecForge's EAGLE-3 recipe
+    formats = (EAGLE3_HF, SPECULATORS)
+    fixed_depth = 1  # one decoder layer, the engines' EAGLE-3 layout
 
     def __init__(self, config: Eagle3Config):
         super().__init__()
@@ -289,6 +153,37 @@ class Eagle3Drafter(nn.Module):
         drafter = cls(Eagle3Config.from_target(target, **config_kw))
         drafter.attach_target(target)
         return drafter
+
+    @classmethod
+    def build(cls, cfg, target, token_counts: Tensor | None = None) -> Eagle3Drafter:
+        """A new drafter over the ``cfg.draft_vocab_size`` most frequent of ``token_counts`` (all ids alike
+        without counts); ``cfg.init_lm_head``: its lm_head and norm start as the target's."""
+        layer_ids = list(cfg.target_layer_ids) if cfg.target_layer_ids else None
+        drafter = cls.from_target(target, draft_vocab_size=cfg.draft_vocab_size, ttt_steps=cfg.ttt_steps,
+                                  target_layer_ids=layer_ids)
+        if token_counts is None:
+            token_counts = torch.ones(target.vocab_size, dtype=torch.long)
+        drafter.set_vocab(*build_draft_vocab(token_counts, drafter.config.draft_vocab_size))
+        if cfg.init_lm_head:
+            drafter.init_lm_head_from_target(target)
+        return drafter
+
+    @classmethod
+    def default_layer_ids(cls, num_target_layers: int, num_layers: int = 1) -> list[int]:
+        """The engines' low / mid / high layers (``default_layer_ids``); one set whatever ``num_layers``."""
+        return list(default_layer_ids(num_target_layers, distinct=True))
+
+    @classmethod
+    def config_with_k(cls, config: dict, k: int) -> dict:
+        """k is the unroll length (``ttt_steps``): no parameter depends on it."""
+        return {**config, "ttt_steps": int(k)}
+
+    def init_mismatch(self, cfg, vocab_size: int) -> str | None:
+        have, want = self.config.draft_vocab_size, min(cfg.draft_vocab_size, vocab_size)
+        if have != want:
+            return (f"drafts over {have} tokens, but drafter.draft_vocab_size={want}; pass "
+                    f"drafter.draft_vocab_size={have}")
+        return None
 
     @property
     def target_layer_ids(self) -> tuple[int, ...]:
@@ -333,6 +228,19 @@ class Eagle3Drafter(nn.Module):
         check_draft_vocab(d2t, t2d)
         self.d2t.copy_(d2t)
         self.t2d.copy_(t2d)
+
+    @torch.no_grad()
+    def init_lm_head_from_target(self, target) -> None:
+        """Option ``drafter.init_lm_head``: copy the target's output rows of the draft vocabulary into ``lm_head``
+        and the target's final norm into ``norm``, so the draft starts in the target's output space.
+        (The reference initialises both randomly, and so does this project by default: on SmolLM2 this
+        start learned slower than random; docs/results.md, "Every lever at a glance".)"""
+        rows = target_ids(self.d2t)
+        self.lm_head.weight.copy_(target.lm_head.weight[rows.to(target.lm_head.weight.device)])
+        final_norm = getattr(getattr(target.model, "model", None), "norm", None)
+        gemma_style = str(getattr(target.config, "model_type", "")).startswith("gemma")  # (1 + w) norms
+        if final_norm is not None and not gemma_style and final_norm.weight.shape == self.norm.weight.shape:
+            self.norm.weight.copy_(final_norm.weight)
 
     @torch.no_grad()
     def embed(self, ids: Tensor) -> Tensor:

@@ -15,7 +15,7 @@ The drafter owns no embedding and no lm_head: it reads the target's (frozen), ke
 parameters and state_dict by ``attach_target``. Slot j of a block predicts the token j places after
 the anchor; slot 0 (the anchor itself) is never used, so a chain has k = B - 1 positions.
 
-Training flow (what ``vatspec.drafters.plan_batch`` and the loop do)
+Training flow (what ``plan_batch`` and the loop do)
 --------------------------------------------------------------------
     anchors = drafter.sample_anchors(batch, num_anchors, generator)      # Anchors([B, A], [B, A])
     at      = drafter.logits_positions(batch, anchors)                   # bool [B, T]
@@ -45,13 +45,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from vatspec.drafters.base import AcceptHead, DraftOutput, Linear, batch_field
-from vatspec.drafters.dflash_config import (
-    DFlashConfig,
-    default_target_layer_ids,
-    pick_mask_token,
-)
-from vatspec.drafters.dflash_session import DFlashSession
+from vatspec.drafters.base import AcceptHead, Drafter, DrafterPlan, DraftOutput, Linear, batch_field
+from vatspec.drafters.dflash.config import DFlashConfig, default_target_layer_ids
+from vatspec.drafters.dflash.formats import DFLASH
+from vatspec.drafters.dflash.session import DFlashSession
 from vatspec.drafters.layers import DRAFT_ACT, MLP, RMSNorm, apply_rope, rope_cos_sin, rope_init
 from vatspec.target import Target, TargetOutput
 
@@ -120,11 +117,16 @@ class DFlashDecoderLayer(nn.Module):
 
 
 # ----------------------------------------------------------------------------- drafter
-class DFlashDrafter(nn.Module):
+class DFlashDrafter(Drafter):
     """The DFlash draft model. Build with ``DFlashDrafter(config)``, then ``attach_target(target)``."""
 
     kind = "dflash"
-    schedule = "dflash"
+    title = "DFlash"
+    config_class = DFlashConfig
+    schedule = "dflash"  # fixed-weight curve of the losses: exp(-j / gamma), gamma from the block
+    baseline_loss = "dflash"  # hard CE on that curve (z-lab)
+    reference_optim = {"lr": 6e-4, "warmup_ratio": 0.04, "grad_clip": 1.0}  # z-lab's recipe
+    formats = (DFLASH,)
 
     def __init__(self, config: DFlashConfig):
         super().__init__()
@@ -154,6 +156,45 @@ class DFlashDrafter(nn.Module):
                 nn.init.ones_(m.weight)
         if self.config.mask_source == "learned":
             nn.init.normal_(self.mask_embedding, std=self.config.initializer_range)
+
+    @classmethod
+    def build(cls, cfg, target, token_counts: Tensor | None = None) -> DFlashDrafter:
+        """A new drafter of ``cfg.num_layers`` layers and ``cfg.block_size`` (drafting over the target's
+        vocabulary: ``token_counts`` is not read)."""
+        conf = DFlashConfig.from_target(
+            target, num_layers=cfg.num_layers, block_size=cfg.block_size,
+            target_layer_ids=list(cfg.target_layer_ids) if cfg.target_layer_ids else None,
+            mask_token_id=cfg.mask_token_id,
+        )
+        drafter = cls(conf)
+        drafter.attach_target(target)
+        return drafter
+
+    @classmethod
+    def default_layer_ids(cls, num_target_layers: int, num_layers: int = 1) -> list[int]:
+        """One target layer per draft layer, the reference's (``default_target_layer_ids``)."""
+        return default_target_layer_ids(num_target_layers, num_layers, distinct=True)
+
+    @classmethod
+    def curve_block(cls, cfg) -> int | None:
+        return cfg.block_size
+
+    @property
+    def max_k(self) -> int:
+        """A round fills at most the block's k = block_size - 1 slots."""
+        return self.k
+
+    def init_mismatch(self, cfg, vocab_size: int) -> str | None:
+        if self.block_size != cfg.block_size:
+            return (f"has block size {self.block_size}, but drafter.block_size={cfg.block_size}; pass "
+                    f"drafter.block_size={self.block_size}")
+        return None
+
+    def plan_batch(self, batch, cfg, generator: torch.Generator | None, *, with_logits: bool = True) -> DrafterPlan:
+        """``cfg.num_anchors`` anchors per sequence; the target's logits only at the positions the blocks predict."""
+        anchors = self.sample_anchors(batch, cfg.num_anchors, generator)
+        kwargs = {"anchors": anchors} if with_logits else {"anchors": anchors, "with_logits": False}
+        return DrafterPlan(logits_at=self.logits_positions(batch, anchors), kwargs=kwargs, target_logits=with_logits)
 
     def attach_target(self, target: Target) -> None:
         """Use ``target``'s frozen embedding and lm_head (held by reference, never saved)."""
@@ -323,7 +364,7 @@ class DFlashDrafter(nn.Module):
 
         # 4. draft
         hidden = self.run_block(ids.view(B, A * Bs), qpos, ctx_kv, mask).view(B, A, Bs, -1)[:, :, 1:]
-        hidden = hidden.contiguous()  # lm_head on a strided view runs as a 4x slower bmm on CPU
+        hidden = hidden.contiguous()  # on a strided view the lm_head runs as a slower bmm on CPU (docs/LOG.md)
 
         # 5. target logits predicting anchor + j come from position anchor + j - 1
         valid = self.chain_valid(batch, anchors)  # [B, A, k]
@@ -395,12 +436,3 @@ def _gather_bt(x: Tensor, idx: Tensor) -> Tensor:
     B = x.shape[0]
     return x[torch.arange(B, device=x.device)[:, None, None], idx]
 
-
-__all__ = [
-    "Anchors",
-    "DFlashConfig",
-    "DFlashDrafter",
-    "DFlashSession",
-    "default_target_layer_ids",
-    "pick_mask_token",
-]

@@ -60,7 +60,7 @@ def test_train_refuses_before_any_work(env, capsys, name, extra, message):
 
 @pytest.mark.parametrize("flags, message", [
     (["--k", "0"], "--k 0 drafts nothing"),
-    (["--k", "9"], "--k 9: the DFlash draft 'd' fills at most 3 tokens a round (its block of 4)"),
+    (["--k", "9"], "--k 9: the DFlash draft 'd' fills at most 3 tokens a round"),
     (["--relative-to", "nobody"], "--relative-to 'nobody': no such method (have d, ar, hf_generate)"),
 ])
 def test_eval_refuses_before_decoding(tmp_path, tiny_target_dir, capsys, flags, message):

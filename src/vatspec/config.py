@@ -254,8 +254,8 @@ def resolve_loss(cfg: Config) -> Config:
     from vatspec.drafters import drafter_class
 
     d, loss = cfg.drafter, cfg.loss
-    schedule = drafter_class(d.kind).schedule
-    block = d.block_size if d.kind == "dflash" else None  # only a DFlash drafter has a block (k + 1)
+    kind = drafter_class(d.kind)
+    schedule, block = kind.schedule, kind.curve_block(d)  # only a drafter with blocks (DFlash: k + 1) has one
     if loss.gamma is None and block is None and loss.curve_for(schedule) == "dflash":
         what = "loss.curve=dflash" if loss.curve else "loss.kind=dflash"
         raise ConfigError(f"drafter.kind={d.kind} with {what}: the dflash curve exp(-j/gamma) takes its gamma from "

@@ -113,6 +113,7 @@ def per_prompt(run: str | Path, target, convs, where: str | None = None) -> dict
     "acc": [per-position accuracy]}``. ``where`` names the draft in errors."""
     from vatspec import data as D
     from vatspec.config import load_config
+    from vatspec.drafters import drafter_class
     from vatspec.objective.metrics import MetricAccumulator
     from vatspec.train import CHAINS_KEY, arms_micro_step, build_arm, pad_id, step_generator, tokenize_items
 
@@ -122,7 +123,8 @@ def per_prompt(run: str | Path, target, convs, where: str | None = None) -> dict
         raise ValueError(f"{where}: {saved_path} does not exist (not a run folder or one of its checkpoint folders)")
     saved = load_config(saved_path)
     # the drafter's own CE: no accept head to build, the same chains and verification
-    cfg = load_config(None, [f"drafter.kind={saved.drafter.kind}", f"loss.kind={saved.drafter.kind}",
+    baseline = drafter_class(saved.drafter.kind).baseline_loss
+    cfg = load_config(None, [f"drafter.kind={saved.drafter.kind}", f"loss.kind={baseline}",
                              f"drafter.num_anchors={saved.drafter.num_anchors}",
                              f"drafter.block_size={saved.drafter.block_size}",
                              f"drafter.ttt_steps={saved.drafter.ttt_steps}",

@@ -42,10 +42,15 @@ def layers_arg(value: str) -> list[int]:
 
 
 def drafter_arg(value: str) -> tuple[str, int]:
-    """``eagle3``, ``dflash`` or ``dflash:N`` (a DFlash draft of N layers: N target layers)."""
+    """A drafter kind (``eagle3``, ``dflash``), or ``KIND:N`` where its depth is a setting (``dflash:N``: a DFlash
+    draft of N layers reads N target layers)."""
+    from vatspec.drafters import DRAFTERS
+
     kind, _, n = value.partition(":")
-    if kind not in ("eagle3", "dflash") or (n and (not n.isdigit() or kind != "dflash" or int(n) < 1)):
-        raise argparse.ArgumentTypeError(f"drafter {value!r} is not eagle3, dflash or dflash:N")
+    cls = DRAFTERS.get(kind)
+    if cls is None or (n and (not n.isdigit() or cls.fixed_depth is not None or int(n) < 1)):
+        names = [*DRAFTERS, *(f"{k}:N" for k, c in DRAFTERS.items() if c.fixed_depth is None)]
+        raise argparse.ArgumentTypeError(f"drafter {value!r} is not {', '.join(names[:-1])} or {names[-1]}")
     return kind, int(n or 1)
 
 
@@ -145,6 +150,7 @@ def _write(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from vatspec.data import adopt_date, check_data_template, load_conversations, recorded_settings, split_turns
+    from vatspec.drafters import DRAFTERS
     from vatspec.features import drafter_layer_ids, finalize_cache, write_cache
     from vatspec.features.format import manifest_precision
     from vatspec.outputs import write_lock
@@ -179,7 +185,7 @@ def _write(args: argparse.Namespace) -> int:
     if args.layers:
         layer_ids = [i for group in args.layers for i in group]
     else:
-        layer_ids = [i for kind, n in (args.drafter or [("eagle3", 1), ("dflash", 1)])
+        layer_ids = [i for kind, n in (args.drafter or [(kind, 1) for kind in DRAFTERS])
                      for i in drafter_layer_ids(kind, target.num_layers, n)]
     precision = args.precision if args.precision != "auto" else ("bf16" if target.device.type == "cuda" else "fp32")
     if rank == 0:

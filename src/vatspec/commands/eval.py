@@ -111,9 +111,10 @@ def _run(args: argparse.Namespace) -> int:
             raise ValueError("--k 0 drafts nothing (the autoregressive baseline is measured in every eval anyway); "
                              "give --k >= 1 or --k auto")
         for name, (drafter, _) in methods.items():
-            if getattr(drafter, "kind", None) == "dflash" and args.k > drafter.k:
-                raise ValueError(f"--k {args.k}: the DFlash draft {name!r} fills at most {drafter.k} tokens a round "
-                                 f"(its block of {drafter.k + 1})")
+            most = getattr(drafter, "max_k", None)  # a DFlash draft: its block's slots
+            if most is not None and args.k > most:
+                raise ValueError(f"--k {args.k}: the {drafter.title} draft {name!r} fills at most {most} tokens a "
+                                 "round")
     benches = args.bench or ([] if args.prompts else benchmarks.list_benchmarks())
     prompts = {b: benchmarks.load_benchmark(b) for b in benches}
     for f in args.prompts:

@@ -176,15 +176,11 @@ def target_identity(target) -> dict:
 # ----------------------------------------------------------------------------- layer ids
 def drafter_layer_ids(kind: str, num_target_layers: int, num_draft_layers: int = 1) -> list[int]:
     """A drafter's default target layer ids (this project's convention) for a target of that depth."""
-    if kind == "eagle3":
-        from vatspec.drafters.eagle3 import default_layer_ids
+    from vatspec.drafters import DRAFTERS
 
-        return list(default_layer_ids(num_target_layers, distinct=True))
-    if kind == "dflash":
-        from vatspec.drafters.dflash import default_target_layer_ids
-
-        return default_target_layer_ids(num_target_layers, num_draft_layers, distinct=True)
-    raise FeatureCacheError(f"drafter {kind!r} is not one of eagle3, dflash")
+    if kind not in DRAFTERS:
+        raise FeatureCacheError(f"drafter {kind!r} is not one of {', '.join(DRAFTERS)}")
+    return DRAFTERS[kind].default_layer_ids(num_target_layers, num_draft_layers)
 
 
 def config_layer_ids(drafter_cfg, num_target_layers: int) -> list[int]:

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from vatspec.config import Config, OptimConfig, dump_config
-from vatspec.drafters import DrafterPlan, build_drafter, plan_batch
+from vatspec.drafters import DRAFTERS, DrafterPlan, build_drafter, drafter_class, plan_batch
 from vatspec.drafters.base import AcceptHead
 from vatspec.objective.chunked import TeacherShare, chunked_pass
 from vatspec.objective.losses import vat_objective
@@ -28,10 +28,8 @@ from vatspec.train.data import pad_id
 from vatspec.train.errors import TrainError
 from vatspec.train.optim import build_optimizer
 
-REFERENCE = {  # the reference recipes' optimiser defaults per drafter (EAGLE-3, DFlash)
-    "eagle3": {"lr": 1e-4, "warmup_ratio": 0.015, "grad_clip": 0.5},
-    "dflash": {"lr": 6e-4, "warmup_ratio": 0.04, "grad_clip": 1.0},
-}
+# the reference recipes' optimiser defaults per drafter kind (``Drafter.reference_optim``)
+REFERENCE = {kind: cls.reference_optim for kind, cls in DRAFTERS.items()}
 
 
 class TrainModule(nn.Module):
@@ -191,7 +189,7 @@ class Arm:
 
 def reference_optim(cfg: Config) -> OptimConfig:
     """``cfg.optim`` with the fields left unset (None) filled from the drafter's reference recipe."""
-    ref = REFERENCE[cfg.drafter.kind]
+    ref = drafter_class(cfg.drafter.kind).reference_optim
     return replace(cfg.optim, **{f: getattr(cfg.optim, f) if getattr(cfg.optim, f) is not None else ref[f]
                                  for f in ("lr", "warmup_ratio", "grad_clip")})
 
@@ -249,13 +247,9 @@ def _check_init_from(drafter, cfg: Config, init_from: str, vocab_size: int) -> N
     if drafter.kind != cfg.drafter.kind:
         raise TrainError(f"--init-from {init_from} is a {drafter.kind} draft, but drafter.kind={cfg.drafter.kind}; "
                          f"pass drafter.kind={drafter.kind}")
-    if drafter.kind == "dflash" and drafter.block_size != cfg.drafter.block_size:
-        raise TrainError(f"--init-from {init_from} has block size {drafter.block_size}, but "
-                         f"drafter.block_size={cfg.drafter.block_size}; pass drafter.block_size={drafter.block_size}")
-    have, want = getattr(drafter.config, "draft_vocab_size", None), min(cfg.drafter.draft_vocab_size, vocab_size)
-    if drafter.kind == "eagle3" and have is not None and have != want:
-        raise TrainError(f"--init-from {init_from} drafts over {have} tokens, but drafter.draft_vocab_size={want}; "
-                         f"pass drafter.draft_vocab_size={have}")
+    mismatch = drafter.init_mismatch(cfg.drafter, vocab_size)
+    if mismatch:
+        raise TrainError(f"--init-from {init_from} {mismatch}")
 
 
 CHAINS_KEY = "chain_accepted"  # per held-out chain accepted lengths: kept with the final metrics, not logged

@@ -345,7 +345,7 @@ def test_check_decodes_past_the_sliding_window(exports, gptoss_dir, regen, capsy
         assert "served: 2 held-out prompts" in out, out  # decoded past the window
         assert "ok    template date          " in out, out  # the day regenerate pinned, adopted from the draft
         # every convention passes, RoPE included: both drafts rotate like the target (YaRN with gpt-oss' parameters),
-        # as they train and are served (drafters/eagle3.py rope_from_config carries YaRN into the EAGLE-3 draft)
+        # as they train and are served (drafters/eagle3/config.py rope_from_config carries YaRN into the EAGLE-3 draft)
         # the acceptance finding compares 2 prompts x 24 tokens with a 30-step draft's held-out tau_sim: noise at this
         # size (the prompts carry the day regenerate ran, so the data and that ratio change from day to day; it read
         # 42-44% of training's on 2026-12-07, against a 50% bar); every convention must pass

@@ -2,8 +2,8 @@
 formats share: their error, the decoder-layer fields the engines read, the engines' layer-id conventions.
 
 ``vatspec.export`` writes, reads and validates the folders (``config.json``, ``model.safetensors``, the record,
-the accept head, atomic writes) and asks the folder's format for all that differs between formats; ``vatspec
-check`` asks it for the conventions it checks. Layer ids: ours are the output of layer i (``vatspec.target``);
+the model card, the accept head, atomic writes) and asks the folder's format for all that differs between formats;
+``vatspec check`` asks it for the conventions it checks. Layer ids: ours are the output of layer i (``vatspec.target``);
 vLLM's ``eagle_aux_hidden_state_layer_ids`` count the input of layer j, ours + 1 (``to_vllm_ids``).
 """
 
@@ -128,6 +128,12 @@ class ServedFormat:
     layer_key: str | None = None  # the field holding the decoder layer's fields; None: the top level
     extra_files: tuple[str, ...] = ()  # files an export holds beside config.json, the weights and vatspec's own
     tensor_dtypes: ClassVar[dict[str, str]] = {}  # safetensors dtypes of the tensors not in torch_dtype
+    # what the model card (``vatspec.export.card``) says of the format and how the engines launch it
+    tags: tuple[str, ...] = ()  # the hub tags naming the kind and format, beside the card's own
+    vllm_method: str  # the "method" of vLLM's --speculative-config
+    vllm_alone = False  # vLLM serves the folder alone (`vllm serve DIR`): it names the target and k
+    sglang_algorithm: str | None = None  # SGLang's --speculative-algorithm; None: SGLang does not load the format
+    sglang_note = ""  # a line the card adds below the SGLang command
 
     # ------------------------------------------------------------------ a config.json
     def detect(self, cfg: dict) -> bool:
@@ -154,6 +160,14 @@ class ServedFormat:
     def target_rope(self, target_config) -> tuple[float, dict | None]:
         """The RoPE the draft must rotate with for a target of ``target_config`` (by default the target's)."""
         return rope_parameters(target_config)
+
+    def served_k(self, cfg: dict) -> int | None:
+        """The tokens drafted a round that ``cfg`` records; None where it records none (a training setting)."""
+        return None
+
+    def named_target(self, cfg: dict) -> str | None:
+        """The target ``cfg`` names (the model an engine loads with the draft); None where it names none."""
+        return None
 
     # ------------------------------------------------------------------ export
     def check_exportable(self, drafter) -> None:
@@ -207,6 +221,16 @@ class ServedFormat:
         internal names). ``k``: the drafted length, where it is a setting. ``ExportError`` naming the field at
         fault when the draft does not fit ``target`` or is a variant vatspec's drafter does not implement."""
         raise NotImplementedError
+
+    # ------------------------------------------------------------------ the model card
+    def card_rows(self, cfg: dict, k: int) -> list[tuple[str, Any]]:
+        """The format's own rows of the card's drafter table (name, value), after the rows every format shares;
+        ``k`` the tokens drafted a round."""
+        return []
+
+    def sglang_flags(self, k: int) -> str:
+        """SGLang's flags for drafting ``k`` tokens a round, beside the algorithm and the draft's path."""
+        return ""
 
     # ------------------------------------------------------------------ vatspec check
     def weight_findings(self, cfg: dict, tensors: dict[str, Tensor], target) -> list[Finding]:

@@ -3,8 +3,9 @@
 YAML front matter (``base_model`` when the target is named by a hub id, ``library_name``, ``tags``), then
 the target, the drafter, the data and chat template settings it was trained with, its held-out acceptance
 (what training measured, else "not measured") and the vLLM and SGLang launch commands for this folder
-(docs/serving.md). ``model_card`` builds the text from what the export already holds; ``write_card`` reads
-those (``config.json``, ``vatspec.json``, the run's saved ``config.yaml``) and writes it.
+(docs/serving.md). ``model_card`` builds the text from what the export already holds, asking the folder's format
+(``ServedFormat``: tags, rows, k, launch flags) for what differs between formats; ``write_card`` reads those
+(``config.json``, ``vatspec.json``, the run's saved ``config.yaml``) and writes it.
 """
 
 from __future__ import annotations
@@ -18,12 +19,12 @@ from pathlib import Path
 import yaml
 
 from vatspec.data.chat import BOOL_KWARGS, format_kwargs
-from vatspec.export.formats import CONFIG
+from vatspec.drafters import drafter_class
+from vatspec.drafters.served import ServedFormat
+from vatspec.export.formats import CONFIG, served_format
 from vatspec.export.record import RECORD
 
 CARD = "README.md"
-NAMES = {"eagle3": "EAGLE-3", "dflash": "DFlash"}
-TAGS = {"eagle3-hf": ["eagle3"], "speculators": ["eagle3", "speculators"], "dflash": ["dflash"]}
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
@@ -31,22 +32,20 @@ def model_card(fmt: str, cfg: dict, record: dict | None, *, target: str | None, 
                run: dict | None = None) -> str:
     """The card of a ``fmt`` folder written at ``folder``: ``cfg`` its ``config.json``, ``record`` its
     ``vatspec.json`` (None: none), ``target`` the target's name or path, ``k`` the tokens the draft proposes a
-    round (EAGLE-3: its TTT steps; speculators and DFlash read it from ``cfg``), ``run`` the training run's
-    saved config (None: not from a run)."""
+    round where ``cfg`` does not record them (``ServedFormat.served_k``; EAGLE-3's eagle3-hf: its TTT steps),
+    ``run`` the training run's saved config (None: not from a run)."""
     record = record or {}
-    kind = "dflash" if fmt == "dflash" else "eagle3"
-    if fmt == "speculators":
-        k = cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
-        target = cfg["speculators_config"]["verifier"]["name_or_path"] or target
-    elif fmt == "dflash":
-        k = cfg["block_size"] - 1
+    served = served_format(fmt)
+    title = drafter_class(served.kind).title
+    k = served.served_k(cfg) or k
+    target = served.named_target(cfg) or target
     name = target or "TARGET"
     hub = bool(target) and _HUB_ID.fullmatch(target) is not None and not Path(target).exists()
     front = {**({"base_model": target} if hub else {}), "library_name": "vatspec",
-             "tags": ["speculative-decoding", *TAGS[fmt], "draft-model", "vatspec"]}
+             "tags": ["speculative-decoding", *served.tags, "draft-model", "vatspec"]}
     lines = ["---", yaml.safe_dump(front, sort_keys=False).strip(), "---", "",
-             f"# {NAMES[kind]} draft for {name}", "",
-             f"A speculative-decoding draft model ({NAMES[kind]}, `{fmt}` format) for `{name}`, "
+             f"# {title} draft for {name}", "",
+             f"A speculative-decoding draft model ({title}, `{fmt}` format) for `{name}`, "
              + ("trained with vatspec" if record.get("training") else "exported by vatspec")
              + ". It proposes tokens that the target verifies, so the text served is the target's own; serve it "
              "with the same target it was trained on.", ""]
@@ -55,10 +54,10 @@ def model_card(fmt: str, cfg: dict, record: dict | None, *, target: str | None, 
                   + ": set `base_model` in the front matter to its hub id, and name it so in the commands below, "
                   "before uploading.", ""]
     lines += ["## Base model", "", *_target(name, record.get("target") or {}), "",
-              "## Drafter", "", *_drafter(fmt, cfg, k, record), "",
+              "## Drafter", "", *_drafter(served, cfg, k, record), "",
               "## Training", "", *_training(record, run), "",
               "## Held-out acceptance", "", *_heldout(record.get("training")), "",
-              "## Serving", "", *_serve(fmt, name, folder, k), ""]
+              "## Serving", "", *_serve(served, name, folder, k), ""]
     return "\n".join(lines)
 
 
@@ -88,24 +87,16 @@ def _target(name: str, tgt: dict) -> list[str]:
     return out
 
 
-def _drafter(fmt: str, cfg: dict, k: int, record: dict) -> list[str]:
-    layer = cfg.get("transformer_layer_config") or cfg
-    ids = record.get("target_layer_ids") or (cfg["dflash_config"]["target_layer_ids"] if fmt == "dflash" else
-                                             [i - 1 for i in cfg["eagle_aux_hidden_state_layer_ids"]])
-    rows = [("kind", NAMES["dflash" if fmt == "dflash" else "eagle3"]),
+def _drafter(served: ServedFormat, cfg: dict, k: int, record: dict) -> list[str]:
+    layer = served.layer_config(cfg)
+    # an export's config.json lists its layer ids, so no default (which needs the target's depth) is taken
+    ids = record.get("target_layer_ids") or served.layer_ids(cfg, num_layers=0)[0]
+    rows = [("kind", drafter_class(served.kind).title),
             ("decoder layers", layer["num_hidden_layers"]),
             ("hidden size", layer["hidden_size"]),
             ("target layers read (output of layer i)", sorted(ids)),
-            ("weights dtype", cfg["torch_dtype"])]
-    if fmt == "dflash":
-        mask = cfg["dflash_config"]
-        rows += [("block size", cfg["block_size"]), ("tokens drafted a round (block size - 1)", k),
-                 ("draft vocabulary", f"the target's ({layer['vocab_size']})"),
-                 ("MASK token id", f"{mask['mask_token_id']}" + (f" (`{mask['mask_token']}`)" if "mask_token" in mask
-                                                                 else ""))]
-    else:
-        rows += [("tokens drafted a round (k)", k),
-                 ("draft vocabulary", f"{cfg['draft_vocab_size']} of the target's {layer['vocab_size']}")]
+            ("weights dtype", cfg["torch_dtype"]),
+            *served.card_rows(cfg, k)]
     return ["| | |", "| --- | --- |", *(f"| {a} | {b} |" for a, b in rows)]
 
 
@@ -156,25 +147,19 @@ def _heldout(training: dict | None) -> list[str]:
     return out
 
 
-def _serve(fmt: str, target: str, folder: str, k: int) -> list[str]:
+def _serve(served: ServedFormat, target: str, folder: str, k: int) -> list[str]:
     t, f = shlex.quote(target), shlex.quote(folder)
-    method = "dflash" if fmt == "dflash" else "eagle3"
-    spec = shlex.quote(json.dumps({"method": method, "model": folder, "num_speculative_tokens": k}))
+    spec = shlex.quote(json.dumps({"method": served.vllm_method, "model": folder, "num_speculative_tokens": k}))
     vllm = ["vLLM:", "", "```bash", f"vllm serve {t} --speculative-config {spec}"]
-    if fmt == "speculators":
+    if served.vllm_alone:
         vllm += ["# or alone: vLLM reads the target and the token count from the folder", f"vllm serve {f}"]
     vllm += ["```", ""]
-    if fmt == "speculators":
-        return vllm + ["SGLang does not load the `speculators` format: export with `--format eagle3-hf` for it."]
-    if fmt == "dflash":
-        sglang = [f"python -m sglang.launch_server --model-path {t} \\",
-                  f"    --speculative-algorithm DFLASH --speculative-draft-model-path {f} \\",
-                  f"    --speculative-num-draft-tokens {k + 1}"]
-        note = ["", "DFlash needs an attention backend with non-causal attention for the draft (see the engines' "
-                "documentation for the flags of their current versions)."]
-    else:
-        sglang = [f"python -m sglang.launch_server --model-path {t} \\",
-                  f"    --speculative-algorithm EAGLE3 --speculative-draft-model-path {f} \\",
-                  f"    --speculative-num-steps {k} --speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}"]
-        note = ["", "Chain drafting (`--speculative-eagle-topk 1`) is what training simulated."]
-    return vllm + ["SGLang:", "", "```bash", *sglang, "```", *note]
+    if served.sglang_algorithm is None:
+        loaded = [g.name for g in drafter_class(served.kind).formats if g.sglang_algorithm]
+        return vllm + [f"SGLang does not load the `{served.name}` format"
+                       + (f": export with `--format {loaded[0]}` for it." if loaded else ".")]
+    args = [f"python -m sglang.launch_server --model-path {t}",
+            f"--speculative-algorithm {served.sglang_algorithm} --speculative-draft-model-path {f}",
+            served.sglang_flags(k)]
+    note = ["", served.sglang_note] if served.sglang_note else []
+    return vllm + ["SGLang:", "", "```bash", " \\\n    ".join(a for a in args if a), "```", *note]

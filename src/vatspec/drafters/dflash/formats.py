@@ -15,7 +15,7 @@ from __future__ import annotations
 import pickle
 import warnings
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -50,6 +50,11 @@ class DFlashFormat(ServedFormat):
     }
     architectures: ClassVar[list[str]] = ["DFlashDraftModel"]
     extra_files = (MASK_FILE,)
+    tags = ("dflash",)
+    vllm_method = "dflash"
+    sglang_algorithm = "DFLASH"
+    sglang_note = ("DFlash needs an attention backend with non-causal attention for the draft (see the engines' "
+                   "documentation for the flags of their current versions).")
 
     # ------------------------------------------------------------------ a config.json
     def detect(self, cfg: dict) -> bool:
@@ -74,6 +79,10 @@ class DFlashFormat(ServedFormat):
         L = target.num_layers
         nt = (cfg.get("dflash_config") or {}).get("num_target_layers", cfg.get("num_target_layers", L))
         return {**super().sizes(cfg, target), "num_target_layers": (nt, L)}
+
+    def served_k(self, cfg: dict) -> int | None:
+        """block_size - 1: a block's first slot holds the last token committed."""
+        return cfg["block_size"] - 1 if "block_size" in cfg else None
 
     # ------------------------------------------------------------------ export
     def build_config(self, drafter, target, dtype: str, *, k: int | None = None, verifier: str | None = None,
@@ -163,6 +172,17 @@ class DFlashFormat(ServedFormat):
         if mask_row is not None:
             weights = {**weights, "mask_embedding": mask_row[1]}
         return _read_config(cfg, target, str(folder / CONFIG), mask_row[0] if mask_row else None), weights
+
+    # ------------------------------------------------------------------ the model card
+    def card_rows(self, cfg: dict, k: int) -> list[tuple[str, Any]]:
+        mask = cfg["dflash_config"]
+        name = f" (`{mask['mask_token']}`)" if "mask_token" in mask else ""
+        return [("block size", cfg["block_size"]), ("tokens drafted a round (block size - 1)", k),
+                ("draft vocabulary", f"the target's ({cfg['vocab_size']})"),
+                ("MASK token id", f"{mask['mask_token_id']}{name}")]
+
+    def sglang_flags(self, k: int) -> str:
+        return f"--speculative-num-draft-tokens {k + 1}"
 
     # ------------------------------------------------------------------ vatspec check
     def findings(self, cfg: dict, folder: Path, target) -> list[Finding]:

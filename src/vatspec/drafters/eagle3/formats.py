@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from safetensors import safe_open
@@ -56,6 +56,9 @@ class Eagle3Format(ServedFormat):
     layer_prefix: str  # the decoder layer's tensors: "midlayer." (as the drafter names them) or "layers.0."
     norm_before_residual = False  # what a config without the field means
     tensor_dtypes: ClassVar[dict[str, str]] = {"d2t": "I64", "t2d": "BOOL"}
+    vllm_method = "eagle3"
+    sglang_algorithm = "EAGLE3"
+    sglang_note = "Chain drafting (`--speculative-eagle-topk 1`) is what training simulated."
 
     def _fields(self, drafter) -> dict:
         c = drafter.config
@@ -192,7 +195,7 @@ class Eagle3Format(ServedFormat):
         if len(ids) != 3 or min(ids) < 0 or max(ids) >= target.num_layers:
             raise ExportError(f"{src}: layer ids {ids} (output of layer i) do not fit a {target.num_layers}-layer "
                               "target")
-        k = k if k is not None else self._served_k(cfg)
+        k = k if k is not None else self.served_k(cfg)
         nh = lc["num_attention_heads"]
         theta, scaling = rope_parameters(lc)
         try:
@@ -208,9 +211,13 @@ class Eagle3Format(ServedFormat):
         except ValueError as e:
             raise ExportError(f"{src}: {e}") from e
 
-    def _served_k(self, cfg: dict) -> int | None:
-        """The tokens drafted per round the config records, if it does."""
-        return None
+    # ------------------------------------------------------------------ the model card
+    def card_rows(self, cfg: dict, k: int) -> list[tuple[str, Any]]:
+        vocab = f"{cfg['draft_vocab_size']} of the target's {self.layer_config(cfg)['vocab_size']}"
+        return [("tokens drafted a round (k)", k), ("draft vocabulary", vocab)]
+
+    def sglang_flags(self, k: int) -> str:
+        return f"--speculative-num-steps {k} --speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}"
 
     # ------------------------------------------------------------------ vatspec check
     def weight_findings(self, cfg: dict, tensors: dict[str, Tensor], target) -> list[Finding]:
@@ -232,6 +239,7 @@ class Eagle3HF(Eagle3Format):
     """``eagle3-hf``: SGLang's and vLLM's ``LlamaForCausalLMEagle3`` (a LlamaConfig at the top level)."""
 
     name = "eagle3-hf"
+    tags = ("eagle3",)
     layer_prefix = "midlayer."
     architectures: ClassVar[list[str]] = ["LlamaForCausalLMEagle3"]
     config_keys = LLAMA_LAYER_KEYS | _EAGLE | {"architectures", "torch_dtype", "eagle_config"}
@@ -267,6 +275,9 @@ class Speculators(Eagle3Format):
     and vLLM shares the target's only when the two are equal)."""
 
     name = "speculators"
+    tags = ("eagle3", "speculators")
+    vllm_alone = True
+    sglang_algorithm = None  # SGLang loads EAGLE-3 drafts as eagle3-hf only
     layer_prefix = "layers.0."
     layer_key = "transformer_layer_config"
     norm_before_residual = True  # vLLM's speculators default
@@ -337,9 +348,12 @@ class Speculators(Eagle3Format):
         if not embedding_matches(emb, target):
             bad.append(f"{WEIGHTS}: embed_tokens.weight is not the target's input embedding")
 
-    def _served_k(self, cfg: dict) -> int | None:
+    def served_k(self, cfg: dict) -> int | None:
         methods = (cfg.get("speculators_config") or {}).get("proposal_methods") or [{}]
         return methods[0].get("speculative_tokens")
+
+    def named_target(self, cfg: dict) -> str | None:
+        return ((cfg.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
 
     def weight_findings(self, cfg: dict, tensors: dict[str, Tensor], target) -> list[Finding]:
         out = super().weight_findings(cfg, tensors, target)

@@ -16,6 +16,7 @@ from tests.conftest import tiny_llama
 from vatspec.drafters import DRAFTERS, SERVED_FORMATS, build_drafter, plan_batch
 from vatspec.drafters.base import Drafter, DraftOutput, SavedConfig, batch_field
 from vatspec.drafters.sampling import Proposal, sample, warp_logits
+from vatspec.drafters.served import ServedFormat
 from vatspec.target import Target
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "vatspec"
@@ -202,3 +203,27 @@ def test_a_third_kind_plans_and_builds_through_the_registry(monkeypatch):
     batch = {"input_ids": torch.zeros(1, 5, dtype=torch.long)}
     plan = plan_batch(drafter, batch, DrafterConfig(kind="toy"), None)
     assert (plan.logits_at, plan.kwargs, plan.target_logits) == (None, {}, True)  # logits everywhere: the default
+
+
+def test_a_third_kind_is_asked_for_its_formats(monkeypatch, tmp_path):
+    """The formats are read from ``DRAFTERS`` when asked: a kind registered after import serves the formats its class
+    lists, and the export of a kind that lists none says so before it writes anything."""
+    from vatspec.config import DrafterConfig
+    from vatspec.export import CONFIG_KEYS, FORMATS, ExportError, default_format, export_draft, served_format
+
+    monkeypatch.setitem(DRAFTERS, "toy", ToyDrafter)
+    target = Target(tiny_llama(vocab_size=V, hidden_size=32, layers=L), tokenizer=None)
+    drafter = build_drafter(DrafterConfig(kind="toy"), target)
+    with pytest.raises(ExportError, match="no served format"):
+        export_draft(drafter, target, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+    class ToyServed(ServedFormat):
+        name, kind, config_keys = "toy-served", "toy", frozenset({"architectures"})
+
+    served = ToyServed()
+    monkeypatch.setattr(ToyDrafter, "formats", (served,))
+    assert SERVED_FORMATS["toy-served"] is served and served_format("toy-served") is served
+    assert FORMATS["toy-served"] == "toy" and CONFIG_KEYS["toy-served"] == {"architectures"}
+    assert default_format(drafter) == "toy-served"
+    assert list(FORMATS)[:3] == ["eagle3-hf", "speculators", "dflash"]  # the kinds' own formats first, in order

@@ -12,7 +12,7 @@ from pathlib import Path
 from vatspec.checkpoint import CheckpointError, resolve_checkpoint, saved_config
 from vatspec.commands import add_dtype_arg, int_arg, report
 from vatspec.drafts import open_draft
-from vatspec.export import DEFAULT_FORMAT, FORMATS, export_draft, to_vllm_ids
+from vatspec.export import FORMATS, default_format, export_draft, to_vllm_ids
 from vatspec.export.formats import HEAD_DIR
 from vatspec.export.record import training_record
 from vatspec.export.validate import validate_export
@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
         drafter, head = open_draft(args.checkpoint, target, device="cpu")
         if args.force and out.is_dir() and any(out.iterdir()):
             _check_is_export(out)
-        fmt = args.format or DEFAULT_FORMAT[drafter.kind]
+        fmt = args.format or default_format(drafter)
         src = Path(args.checkpoint)
         from_run = (src / "drafter.safetensors").is_file() or (src / "latest").is_file()  # else a served draft
         training = training_record(resolve_checkpoint(src), drafter.k) if from_run else None

@@ -13,6 +13,9 @@ asks which kind it holds. What the kinds share: ``layers.py`` (RMSNorm, RoPE, th
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -22,11 +25,34 @@ from vatspec.drafters.eagle3 import DEFAULT_TTT_STEPS, Eagle3Drafter
 from vatspec.drafters.served import ServedFormat
 
 DRAFTERS: dict[str, type[Drafter]] = {cls.kind: cls for cls in (Eagle3Drafter, DFlashDrafter)}
-# every served format by its name (--format), the kinds' own in order
-SERVED_FORMATS: dict[str, ServedFormat] = {f.name: f for cls in DRAFTERS.values() for f in cls.formats}
 
-__all__ = ["DEFAULT_TTT_STEPS", "DRAFTERS", "SERVED_FORMATS", "Drafter", "DrafterPlan", "build_drafter",
-           "check_kind", "drafter_class", "drafter_from_dict", "plan_batch"]
+
+class RegistryView(Mapping):
+    """A read-only mapping built from ``DRAFTERS`` each time it is read, so that a kind registered after import
+    (``DRAFTERS[kind] = cls``) is in it."""
+
+    def __init__(self, build: Callable[[], dict]):
+        self._build = build
+
+    def __getitem__(self, key: str) -> Any:
+        return self._build()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._build())
+
+    def __len__(self) -> int:
+        return len(self._build())
+
+    def __repr__(self) -> str:
+        return repr(self._build())
+
+
+# every served format by its name (--format), the kinds' own in order
+SERVED_FORMATS: Mapping[str, ServedFormat] = RegistryView(
+    lambda: {f.name: f for cls in DRAFTERS.values() for f in cls.formats})
+
+__all__ = ["DEFAULT_TTT_STEPS", "DRAFTERS", "SERVED_FORMATS", "Drafter", "DrafterPlan", "RegistryView",
+           "build_drafter", "check_kind", "drafter_class", "drafter_from_dict", "plan_batch"]
 
 
 def check_kind(kind: str, source: str = "drafter.kind") -> None:

@@ -30,9 +30,9 @@ Commands open any draft, served or a training checkpoint, with ``vatspec.drafts.
 
 from vatspec.export.formats import (
     CONFIG_KEYS,
-    DEFAULT_FORMAT,
     FORMATS,
     ExportError,
+    default_format,
     detect_format,
     expected_weights,
     served_format,
@@ -44,10 +44,10 @@ from vatspec.export.write import build_config, export_draft
 
 __all__ = [
     "CONFIG_KEYS",
-    "DEFAULT_FORMAT",
     "ExportError",
     "FORMATS",
     "build_config",
+    "default_format",
     "detect_format",
     "expected_weights",
     "export_draft",

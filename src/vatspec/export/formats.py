@@ -4,18 +4,20 @@ format's own (see ``vatspec.export``; each format is its drafter's, ``vatspec.dr
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 
-from vatspec.drafters import DRAFTERS, SERVED_FORMATS
+from vatspec.drafters import DRAFTERS, SERVED_FORMATS, RegistryView
 from vatspec.drafters.served import CONFIG, WEIGHTS, ExportError, ServedFormat, to_vllm_ids
 
-__all__ = ["CONFIG", "CONFIG_KEYS", "DEFAULT_FORMAT", "FORMATS", "HEAD_DIR", "HEAD_FORMAT", "HEAD_INPUT", "WEIGHTS",
-           "ExportError", "detect_format", "expected_weights", "read_json", "served_format", "to_vllm_ids"]
+__all__ = ["CONFIG", "CONFIG_KEYS", "FORMATS", "HEAD_DIR", "HEAD_FORMAT", "HEAD_INPUT", "WEIGHTS", "ExportError",
+           "default_format", "detect_format", "expected_weights", "read_json", "served_format", "to_vllm_ids"]
 
-FORMATS: dict[str, str] = {name: f.kind for name, f in SERVED_FORMATS.items()}  # -> drafter kind
-DEFAULT_FORMAT: dict[str, str] = {kind: cls.formats[0].name for kind, cls in DRAFTERS.items()}
-# The fields each format's config.json holds: exactly these, no more (validate_export checks).
-CONFIG_KEYS: dict[str, frozenset[str]] = {name: f.config_keys for name, f in SERVED_FORMATS.items()}
+# format -> its drafter kind, and format -> the fields its config.json holds (exactly these: validate_export
+# checks), over the kinds in DRAFTERS when read
+FORMATS: Mapping[str, str] = RegistryView(lambda: {name: f.kind for name, f in SERVED_FORMATS.items()})
+CONFIG_KEYS: Mapping[str, frozenset[str]] = RegistryView(
+    lambda: {name: f.config_keys for name, f in SERVED_FORMATS.items()})
 HEAD_DIR = "accept_head"
 HEAD_FORMAT = "vatspec-accept-head"
 HEAD_INPUT = "draft_hidden_post_norm"  # the drafter's last hidden state after its final norm (lm_head's input)
@@ -26,6 +28,13 @@ def served_format(name: str) -> ServedFormat:
     if name not in SERVED_FORMATS:
         raise ExportError(f"unknown format {name!r} (known: {', '.join(SERVED_FORMATS)})")
     return SERVED_FORMATS[name]
+
+
+def default_format(drafter) -> str:
+    """The format ``drafter`` is exported in unless told: the first its class serves (``Drafter.formats``)."""
+    if not drafter.formats:
+        raise ExportError(f"{drafter.title} drafters ({drafter.kind}) have no served format: vatspec cannot export one")
+    return drafter.formats[0].name
 
 
 def detect(cfg: dict, source: str) -> ServedFormat:

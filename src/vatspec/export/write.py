@@ -13,12 +13,12 @@ from vatspec.drafters.base import HEAD_RULES, AcceptHead
 from vatspec.export.card import write_card
 from vatspec.export.formats import (
     CONFIG,
-    DEFAULT_FORMAT,
     HEAD_DIR,
     HEAD_FORMAT,
     HEAD_INPUT,
     WEIGHTS,
     ExportError,
+    default_format,
     served_format,
 )
 from vatspec.export.record import RECORD, make_record
@@ -66,7 +66,7 @@ def export_draft(
     A DFlash draft that learned its MASK row is served with ``mask_embedding.pt`` for the target id
     ``mask_token_id`` (``served_mask_id``).
     """
-    served = served_format(fmt or DEFAULT_FORMAT[drafter.kind])
+    served = served_format(fmt or default_format(drafter))
     fmt = served.name
     if served.kind != drafter.kind:
         raise ExportError(f"format {fmt!r} serves {served.kind} drafts, not a {drafter.kind} drafter")

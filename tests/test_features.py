@@ -376,6 +376,25 @@ def test_validate_catches_a_wrong_layer(tiny_dir, target, data_file, cache_dir, 
     assert validate_cache(cache_dir, target, sample=2).ok
 
 
+def test_the_template_is_passed_not_installed(target, data_file, tmp_path):
+    """The chat template reaches the cache as an argument: its arguments are recorded, the run is checked against
+    the template it passes (not one left on the target), and --validate asks the cache's own settings."""
+    from vatspec.data.chat import ChatTemplate
+    from vatspec.features import FeatureCache, FeatureCacheError
+    from vatspec.features.validate import validate_cache
+
+    lang = ChatTemplate(kwargs={"lang": "fr"})
+    out = tmp_path / "kw"
+    man = _write(target, data_file, out, template=lang)
+    assert man["chat_template_kwargs"] == {"lang": "fr"} and not hasattr(target, "chat")
+    cache = FeatureCache(out)
+    cache.check_run(target, {"a drafter": LAYERS}, 64, lang)
+    with pytest.raises(FeatureCacheError, match=r"chat_template_kwargs is lang=fr in the cache but \(none\)"):
+        cache.check_run(target, {"a drafter": LAYERS}, 64)  # the tokenizer's own template, no arguments
+    rep = validate_cache(out, target, sample=1)
+    assert rep.ok, rep.problems
+
+
 @pytest.mark.parametrize("value, n", [("1GiB", 2**30), ("512MiB", 2**29), ("2GB", 2 * 10**9), ("4096", 4096),
                                       ("1.5KiB", 1536)])
 def test_shard_size_takes_units(value, n):

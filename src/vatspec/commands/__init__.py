@@ -96,8 +96,8 @@ def add_template_args(parser: argparse.ArgumentParser) -> None:
 
 
 def use_template(target, args: argparse.Namespace):
-    """The template settings of ``args``, checked against ``target``'s tokenizer and installed on ``target``
-    (every rendering of the command then uses them); a ``DataError`` names what is wrong."""
+    """The template settings of ``args`` (``attach_template``), checked against ``target``'s tokenizer, for the
+    command to pass to whatever renders; a ``DataError`` names what is wrong."""
     from vatspec.data.chat import attach_template, format_kwargs
 
     template = attach_template(target, args.chat_template, args.chat_template_kwargs,

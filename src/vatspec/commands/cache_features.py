@@ -149,7 +149,7 @@ def _write(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    from vatspec.data import adopt_date, check_data_template, load_conversations, recorded_settings, split_turns
+    from vatspec.data import check_data_template, load_conversations, pin_date, recorded_settings, split_turns
     from vatspec.drafters import DRAFTERS
     from vatspec.features import drafter_layer_ids, finalize_cache, write_cache
     from vatspec.features.format import manifest_precision
@@ -178,8 +178,8 @@ def _write(args: argparse.Namespace) -> int:
                          device_map=args.device_map)
     if rank == 0:
         print("\n".join(describe(target)), file=sys.stderr)
-    use_template(target, args)
-    template = adopt_date(target, recorded_settings(convs))  # the day the data was rendered on, where it stamps one
+    # the day the data was rendered on, where the template stamps one
+    template = pin_date(use_template(target, args), target.tokenizer, recorded_settings(convs))
     check_data_template(convs, template.settings(target.tokenizer), args.data)
     convs = split_turns(convs, target.tokenizer, template)  # as training splits them: the same rows
     if args.layers:
@@ -194,7 +194,7 @@ def _write(args: argparse.Namespace) -> int:
     with write_lock(args.out, "--out", "cache-features", part=f"{rank}/{world}"):  # one writer per share
         man = write_cache(target, convs, args.out, layer_ids=layer_ids, dtype=args.feature_dtype,
                           precision=precision, shard_size=args.shard_size, max_length=args.max_length,
-                          batch_size=args.batch_size, source=args.data, rank=rank, world=world,
+                          batch_size=args.batch_size, source=args.data, template=template, rank=rank, world=world,
                           progress=not args.no_progress)
     w = man["written"]
     if args.part is not None:

@@ -17,7 +17,7 @@ import torch
 from vatspec import benchmarks, data
 from vatspec.commands import add_device_args, add_template_args, check_report_out, report, use_template
 from vatspec.data import DataError
-from vatspec.data.chat import adopt_date, format_kwargs
+from vatspec.data.chat import format_kwargs, pin_date
 from vatspec.eval.bench import prompt_ids
 from vatspec.eval.check import check_draft
 from vatspec.export.record import recorded_template
@@ -57,13 +57,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         target = open_target(args.target, device=args.device, dtype=args.dtype)
         about = describe(target)  # a target whose cache cannot be taken back is refused here, before any work
-        use_template(target, args)
-        template = adopt_date(target, recorded_template(folder))  # the day it was trained with, for a dated template
-        prompts = None if args.no_measure else _prompts(args, target)
+        # the day it was trained with, for a template that stamps one
+        template = pin_date(use_template(target, args), target.tokenizer, recorded_template(folder))
+        prompts = None if args.no_measure else _prompts(args, target, template)
     except (TargetError, DataError) as e:
         return report("check", e)
     with torch.inference_mode():
-        rep = check_draft(folder, target, prompts, max_new_tokens=args.max_new_tokens)
+        rep = check_draft(folder, target, prompts, max_new_tokens=args.max_new_tokens, template=template)
     print(f"vatspec check {folder} ({rep.format or 'unknown format'}) against {target.path}, chat template "
           f"arguments {format_kwargs(template.kwargs)}")
     print("\n".join(about))
@@ -87,12 +87,12 @@ def run(args: argparse.Namespace) -> int:
     return 0 if not failed else 1
 
 
-def _prompts(args: argparse.Namespace, target) -> list[list[int]]:
+def _prompts(args: argparse.Namespace, target, template) -> list[list[int]]:
     if args.prompts:
         convs = data.load_conversations(args.prompts, require_assistant=False)[: args.num_prompts]
     else:
         convs = [c for b in benchmarks.list_benchmarks() for c in benchmarks.load_benchmark(b)[: args.num_prompts]]
-    return [prompt_ids(target.tokenizer, c, target.chat) for c in convs]
+    return [prompt_ids(target.tokenizer, c, template) for c in convs]
 
 
 def _p(x: float) -> str:

@@ -25,7 +25,7 @@ from vatspec.commands import (
     use_template,
 )
 from vatspec.data import DataError
-from vatspec.data.chat import adopt_date, check_settings
+from vatspec.data.chat import check_settings, pin_date
 from vatspec.drafts import open_draft
 from vatspec.eval.bench import AR, HF, evaluate, prompt_ids
 from vatspec.eval.calibrate import calibrate
@@ -90,16 +90,16 @@ def _run(args: argparse.Namespace) -> int:
     check_folder(args.out, "eval", "--out")
     target = open_target(args.target, device=args.device, dtype=args.dtype)
     print("\n".join(describe(target)), file=sys.stderr)  # refuses a target that cannot be verified, before any work
-    use_template(target, args)
+    template = use_template(target, args)
     methods = {}
     for spec in args.draft:
         name, path = _parse_draft(spec)
         if name in methods:
             raise ValueError(f"--draft: method name {name!r} given twice")
         drafter, head = open_draft(path, target)
-        adopt_date(target, recorded_template(path))  # a template that stamps a date: the day it was trained with
-        check_settings(recorded_template(path), target.chat.settings(target.tokenizer), f"--draft {path}",
-                       "this eval")
+        # a template that stamps a date: the day it was trained with
+        template = pin_date(template, target.tokenizer, recorded_template(path))
+        check_settings(recorded_template(path), template.settings(target.tokenizer), f"--draft {path}", "this eval")
         methods[name] = (drafter, None if args.no_head else head)
     relative = _relative_to(args.relative_to, list(methods))  # names checked before any decoding
     known = [*methods, AR, *([] if args.no_hf else [HF])]  # the baselines every eval measures too
@@ -126,14 +126,14 @@ def _run(args: argparse.Namespace) -> int:
         if not args.calibration:
             raise ValueError("--k auto needs --calibration FILE (held-out prompts)")
         convs = data.load_conversations(args.calibration, require_assistant=False)[: args.calibration_prompts]
-        ids = [prompt_ids(target.tokenizer, c, target.chat) for c in convs]
+        ids = [prompt_ids(target.tokenizer, c, template) for c in convs]
         calibration = {name: calibrate(target, d, ids) for name, (d, _) in methods.items()}
         k = {name: c.k for name, c in calibration.items()}
     results = evaluate(
         target, methods, prompts, temperature=args.temperature, max_new_tokens=args.max_new_tokens,
         warmup=args.warmup, seed=args.seed, exit_threshold=args.exit_threshold, k=k, top_k=args.top_k,
         top_p=args.top_p, draft_argmax=args.draft_argmax, hf_baseline=not args.no_hf,
-        recheck=list(calibration or ()), remeasure=args.remeasure,
+        recheck=list(calibration or ()), remeasure=args.remeasure, template=template,
     )
     if calibration:
         results["calibration"] = {name: c.to_dict() for name, c in calibration.items()}

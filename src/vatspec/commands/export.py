@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
         # never onto, into or around the draft or target being read; --force replaces only an export
         check_apart(out, {"checkpoint": args.checkpoint, "--target": target_path}, "--out")
         target = open_target(target_path, device="meta")  # config and tokenizer: no weight is read
-        _use_run_template(args.checkpoint, target)
+        template = _run_template(args.checkpoint, target)
         drafter, head = open_draft(args.checkpoint, target, device="cpu")
         if args.force and out.is_dir() and any(out.iterdir()):
             _check_is_export(out)
@@ -56,7 +56,8 @@ def run(args: argparse.Namespace) -> int:
         with write_lock(out, "--out", "export"):
             out = export_draft(drafter, target, out, fmt=fmt, head=head, exit_threshold=args.exit_threshold,
                                dtype=args.weights_dtype, force=args.force, k=args.k,
-                               verifier=args.verifier, training=training, mask_token_id=args.mask_token_id)
+                               verifier=args.verifier, training=training, mask_token_id=args.mask_token_id,
+                               template=template)
     except (CheckpointError, TargetError, OutputError, ValueError) as e:  # DataError is a ValueError
         return report("export", e)
     ids = list(drafter.target_layer_ids)
@@ -68,20 +69,22 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _use_run_template(path: str, target) -> None:
-    """A training run's template settings (``data.chat_template*`` of its config) on ``target``, so that
-    ``vatspec.json`` records the template and arguments the draft was trained with."""
-    from vatspec.data.chat import adopt_date, attach_template, check_settings
+def _run_template(path: str, target):
+    """A training run's template settings (``data.chat_template*`` of its config), so that ``vatspec.json``
+    records the template and arguments the draft was trained with; None for a served draft."""
+    from vatspec.data.chat import attach_template, check_settings, pin_date
     from vatspec.export.record import recorded_template
 
     try:
         data = saved_config(path).data
     except CheckpointError:
-        return  # a served draft: nothing recorded of its training
-    attach_template(target, data.chat_template, data.chat_template_kwargs, data.chat_template_date or None)
-    template = adopt_date(target, recorded_template(path))  # the day the run rendered, for a template that stamps one
+        return None  # a served draft: nothing recorded of its training
+    template = attach_template(target, data.chat_template, data.chat_template_kwargs, data.chat_template_date or None)
+    # the day the run rendered, for a template that stamps one
+    template = pin_date(template, target.tokenizer, recorded_template(path))
     # the template file read now must be the one trained with
     check_settings(recorded_template(path), template.settings(target.tokenizer), f"checkpoint {path}", "export")
+    return template
 
 
 def _saved_target_path(path: str) -> str:

@@ -41,8 +41,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         convs = D.load_conversations(args.data, skip_bad=args.skip_bad, stats=read)
         target = open_target(args.target, device="meta")  # the tokenizer and config; no weights
-        use_template(target, args)
-        template = D.adopt_date(target, D.recorded_settings(convs))  # as training: the data's day, where it stamps one
+        # as training: the data's day, where the template stamps one
+        template = D.pin_date(use_template(target, args), target.tokenizer, D.recorded_settings(convs))
         settings = template.settings(target.tokenizer)
         D.check_data_template(convs, settings, args.data)
         seqs = D.split_turns(convs, target.tokenizer, template)

@@ -14,7 +14,6 @@ from vatspec.data.batching import Batch, BatchIterator, collate, split_heldout, 
 from vatspec.data.chat import (
     ChatTemplate,
     Example,
-    adopt_date,
     attach_template,
     check_data_template,
     check_settings,
@@ -22,7 +21,6 @@ from vatspec.data.chat import (
     pin_date,
     recorded_settings,
     split_turns,
-    target_template,
     tokenize_conversation,
 )
 from vatspec.data.records import ROLES, Conversation, DataError, iter_json_array, load_conversations, parse_record
@@ -36,7 +34,6 @@ __all__ = [
     "Conversation",
     "DataError",
     "Example",
-    "adopt_date",
     "attach_template",
     "check_data_template",
     "check_settings",
@@ -51,7 +48,6 @@ __all__ = [
     "regenerate",
     "split_heldout",
     "split_turns",
-    "target_template",
     "token_counts",
     "tokenize_conversation",
 ]

@@ -572,33 +572,20 @@ def require_template(tokenizer, template: ChatTemplate | None = None) -> None:
 
 
 def attach_template(target, file: str = "", kwargs: str | dict | None = None, date: str | None = None) -> ChatTemplate:
-    """Load the template settings (``load_template``) for ``target`` and make them the ones it renders with:
-    ``target.chat``, and a template file becomes its tokenizer's ``chat_template`` (so every hash of the
-    tokenizer's template, in caches and exports, is that of the template trained and served). The turn's
-    stop ids are the target's generation-config ones (``target.eos_token_ids``)."""
+    """The template settings (``load_template``) ``target`` is served with, to pass to whatever renders. A
+    template file is the served tokenizer's template, as an engine started with ``--chat-template FILE``
+    serves it: it becomes ``target.tokenizer.chat_template``, so every hash of the tokenizer's template (in
+    caches and exports) is that of the template trained and served. The turn's stop ids are the target's
+    generation-config ones (``target.eos_token_ids``)."""
     template = load_template(target.tokenizer, file, kwargs, date)
     if template.text is not None:
         target.tokenizer.chat_template = template.text
-    template = replace(template, stop_ids=tuple(target.eos_token_ids))
-    target.chat = template
-    return template
-
-
-def adopt_date(target, recorded: dict | None) -> ChatTemplate:
-    """``target``'s template with the date ``recorded`` (template settings of data, a cache or a draft) pinned
-    where it stamps one and none is pinned yet (``pin_date``); installed as ``target.chat`` and returned."""
-    target.chat = pin_date(target_template(target), target.tokenizer, recorded)
-    return target.chat
+    return replace(template, stop_ids=tuple(target.eos_token_ids))
 
 
 def recorded_settings(convs: list[Conversation]) -> dict | None:
     """The template settings the first regenerated conversation of ``convs`` records (``meta["chat_template"]``)."""
     return next((c.meta["chat_template"] for c in convs if isinstance(c.meta.get("chat_template"), dict)), None)
-
-
-def target_template(target) -> ChatTemplate:
-    """The template settings ``target`` renders with (``attach_template``), or its tokenizer's own."""
-    return getattr(target, "chat", None) or ChatTemplate()
 
 
 def check_data_template(convs: list[Conversation], want: dict, source: str) -> None:

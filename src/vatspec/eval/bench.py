@@ -195,6 +195,7 @@ def evaluate(
     hf_baseline: bool = True,
     recheck: Sequence[str] = (),
     remeasure: int = 2,
+    template=None,
     progress: bool = True,
 ) -> dict:
     """Measure every method against the AR baseline (and HF ``generate``) on every prompt. One function: the
@@ -210,6 +211,7 @@ def evaluate(
     recheck:          methods whose k was chosen (``calibrate``): one that drafts k > 1 also runs at k = 1, as
                       the method ``recheck_name(name)``, interleaved with the rest, so the report can say
                       whether the choice held on this run's own timing (``recheck_lines``).
+    template:         the ``ChatTemplate`` conversations are rendered with, as served (None: the tokenizer's own).
     remeasure:        how many times a prompt's group of runs may be measured again when one of its runs took
                       more than ``DISTURBED`` times its method's median time per round (``_remeasure``).
     Returns a JSON-ready dict: ``config``, ``benchmarks`` (prompt counts), ``summary[name][bench]``
@@ -231,10 +233,7 @@ def evaluate(
     methods = {**methods, **{r: methods[n] for n, r in rechecked.items()}}
     k_of.update({r: 1 for r in rechecked.values()})
     names = [AR, *methods] + ([HF] if hf_baseline else [])
-    from vatspec.data.chat import target_template
-
-    chat = target_template(target)
-    ids_by_bench = {b: [prompt_ids(target.tokenizer, p, chat) for p in ps] for b, ps in prompts_by_bench.items()}
+    ids_by_bench = {b: [prompt_ids(target.tokenizer, p, template) for p in ps] for b, ps in prompts_by_bench.items()}
     ids_by_bench = {b: ps for b, ps in ids_by_bench.items() if ps}
     if not ids_by_bench:
         raise ValueError("evaluate: no prompts")

@@ -54,7 +54,7 @@ class CheckReport:
 
 
 # ----------------------------------------------------------------------------- conventions
-def convention_findings(folder: Path, target) -> tuple[str | None, list[Finding]]:
+def convention_findings(folder: Path, target, template=None) -> tuple[str | None, list[Finding]]:
     """Every convention the engines rely on, checked on ``folder`` against ``target``."""
     src = folder / CONFIG
     try:
@@ -109,7 +109,7 @@ def convention_findings(folder: Path, target) -> tuple[str | None, list[Finding]
 
     # 6. tokenizer and chat template, when recorded
     if record is not None:
-        have, want = record.get("target") or {}, target_fingerprint(target)
+        have, want = record.get("target") or {}, target_fingerprint(target, template)
         for key, what in (("tokenizer_sha256", "tokenizer"), ("chat_template_sha256", "chat template")):
             if have.get(key) and want.get(key):
                 same = have[key] == want[key]
@@ -240,11 +240,12 @@ def acceptance_finding(measured: dict, training: dict | None) -> Finding | None:
 
 
 def check_draft(folder: str | Path, target, prompts: Sequence[list[int]] | None = None, *,
-                max_new_tokens: int = 64) -> CheckReport:
-    """Check ``folder`` against ``target``; with ``prompts`` (token ids), also decode them and compare
-    the acceptance with training's. The draft is opened as the engines would open it."""
+                max_new_tokens: int = 64, template=None) -> CheckReport:
+    """Check ``folder`` against ``target`` served with ``template`` (a ``ChatTemplate``; None: the tokenizer's
+    own, no arguments); with ``prompts`` (token ids), also decode them and compare the acceptance with
+    training's. The draft is opened as the engines would open it."""
     folder = Path(folder)
-    fmt, findings = convention_findings(folder, target)
+    fmt, findings = convention_findings(folder, target, template)
     record = read_record(folder)
     report = CheckReport(str(folder), fmt, findings, training=(record or {}).get("training"))
     if fmt is None:

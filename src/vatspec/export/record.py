@@ -24,22 +24,21 @@ RECORD = "vatspec.json"
 RECORD_FORMAT = "vatspec-record"
 
 
-def target_fingerprint(target) -> dict:
+def target_fingerprint(target, template=None) -> dict:
     """Sizes and tokenizer identity of ``target``: the vocabulary (token -> id) and the chat template
-    hashed, so a draft served with another tokenizer is caught even when the sizes agree."""
+    hashed, so a draft served with another tokenizer is caught even when the sizes agree; the arguments
+    and date of ``template`` (a ``ChatTemplate``; None: the tokenizer's own, no arguments)."""
     tok = target.tokenizer
     out = {"vocab_size": target.vocab_size, "num_layers": target.num_layers, "hidden_size": target.hidden_size,
            "tokenizer_sha256": None, "chat_template_sha256": None}
     if tok is not None and hasattr(tok, "get_vocab"):
         vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
         out["tokenizer_sha256"] = _sha(json.dumps(vocab, ensure_ascii=False))
-        template = getattr(tok, "chat_template", None)
-        out["chat_template_sha256"] = _sha(template) if isinstance(template, str) else None
-    from vatspec.data.chat import target_template
-
-    out["chat_template_kwargs"] = dict(sorted(target_template(target).kwargs.items()))
-    if target_template(target).date:
-        out["chat_template_date"] = target_template(target).date
+        text = getattr(tok, "chat_template", None)
+        out["chat_template_sha256"] = _sha(text) if isinstance(text, str) else None
+    out["chat_template_kwargs"] = dict(sorted(template.kwargs.items())) if template is not None else {}
+    if template is not None and template.date:
+        out["chat_template_date"] = template.date
     return out
 
 
@@ -62,10 +61,10 @@ def training_record(checkpoint: Path, k: int) -> dict:
     return {"checkpoint": str(checkpoint.resolve()), "step": step, "k": k, "heldout": heldout}
 
 
-def make_record(drafter, target, training: dict | None) -> dict:
+def make_record(drafter, target, training: dict | None, template=None) -> dict:
     return {"format": RECORD_FORMAT, "version": 1, "drafter_kind": drafter.kind,
             "target_layer_ids": [int(i) for i in drafter.config.target_layer_ids],
-            "target": target_fingerprint(target), "training": training}
+            "target": target_fingerprint(target, template), "training": training}
 
 
 def read_record(folder: Path) -> dict | None:

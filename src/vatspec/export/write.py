@@ -55,6 +55,7 @@ def export_draft(
     verifier: str | None = None,
     training: dict | None = None,
     mask_token_id: int | None = None,
+    template=None,
 ) -> Path:
     """Write ``drafter`` (and ``head`` beside it) as a served draft folder; return the folder.
 
@@ -62,7 +63,8 @@ def export_draft(
     The folder is written under a temporary name, validated (``validate_export``) and only then
     renamed to ``out``; an existing non-empty ``out`` is replaced only with ``force``. Beside the
     weights, ``vatspec.json`` records the layer ids trained on, the target's tokenizer identity and
-    ``training`` (``record.training_record``: the checkpoint and its held-out metrics) for ``vatspec check``.
+    ``training`` (``record.training_record``: the checkpoint and its held-out metrics) for ``vatspec check``,
+    and the arguments and date of ``template``, the ``ChatTemplate`` it was trained with (None: the tokenizer's own).
     A DFlash draft that learned its MASK row is served with ``mask_embedding.pt`` for the target id
     ``mask_token_id`` (``served_mask_id``).
     """
@@ -88,7 +90,7 @@ def export_draft(
         (folder / CONFIG).write_text(json.dumps(cfg, indent=2) + "\n")
         save_file(state, folder / WEIGHTS, metadata={"format": "pt"})
         user_mode(folder / WEIGHTS)  # an engine in a container runs as another user
-        (folder / RECORD).write_text(json.dumps(make_record(drafter, target, training), indent=2) + "\n")
+        (folder / RECORD).write_text(json.dumps(make_record(drafter, target, training, template), indent=2) + "\n")
         write_card(folder, fmt, target.path, drafter.k, Path(out))
         served.write_files(folder, drafter, cfg, dtype)
         if head is not None:

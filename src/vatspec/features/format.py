@@ -245,8 +245,9 @@ def write_manifest(root: Path, manifest: dict) -> None:
     atomic_write(root / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
 
 
-def check_target(manifest: dict, target, *, what: str = "the run's target") -> None:
-    """The cache was written by this target: same weights, same config, tokenizer and chat template.
+def check_target(manifest: dict, target, *, template=None, what: str = "the run's target") -> None:
+    """The cache was written by this target: same weights, same config, tokenizer and chat template, rendered
+    with the arguments and date of ``template`` (a ``ChatTemplate``; None: the tokenizer's own, no arguments).
     Config keys present on one side only are ignored (another transformers version may add some)."""
     have = manifest["target"]
     w = weights_sha256(target)
@@ -267,14 +268,15 @@ def check_target(manifest: dict, target, *, what: str = "the run's target") -> N
         if manifest["chat_template_sha256"] != chat_template_sha256(tok):
             raise FeatureCacheError(f"chat_template_sha256 differs from {what}'s chat template: the cached token "
                                     "ids and loss masks were rendered with another template")
-        from vatspec.data.chat import format_kwargs, target_template
+        from vatspec.data.chat import ChatTemplate, format_kwargs
 
+        template = template or ChatTemplate()
         have_kw = format_kwargs(manifest.get("chat_template_kwargs") or {})  # a cache before the field: none
-        want_kw = format_kwargs(target_template(target).kwargs)
+        want_kw = format_kwargs(template.kwargs)
         if have_kw != want_kw:
             raise FeatureCacheError(f"chat_template_kwargs is {have_kw} in the cache but {want_kw} for {what}: the "
                                     "cached sequences were rendered with other template arguments")
-        have_date, want_date = manifest.get("chat_template_date"), target_template(target).date
+        have_date, want_date = manifest.get("chat_template_date"), template.date
         if have_date != want_date and (have_date or want_date):
             raise FeatureCacheError(f"chat_template_date is {have_date} in the cache but {want_date} for {what}: the "
                                     "cached sequences were rendered on another day (pass --chat-template-date "

@@ -123,12 +123,12 @@ class FeatureCache:
             raise self._error(f"{s['file']} is {size} bytes, the manifest records {s['bytes']} (truncated or "
                               "replaced); rerun vatspec cache-features with the same arguments to redo it")
 
-    def check_run(self, target, layer_ids: dict[str, Iterable[int]], max_length: int) -> None:
-        """The run fits the cache: the same target (weights, config, tokenizer, chat template), the
-        cached layers cover each ``who -> layer ids``, the same max length. ``FeatureCacheError`` naming
-        the manifest field otherwise."""
+    def check_run(self, target, layer_ids: dict[str, Iterable[int]], max_length: int, template=None) -> None:
+        """The run fits the cache: the same target (weights, config, tokenizer, chat template and the arguments
+        and date of ``template``, a ``ChatTemplate``), the cached layers cover each ``who -> layer ids``, the
+        same max length. ``FeatureCacheError`` naming the manifest field otherwise."""
         try:
-            check_target(self.manifest, target)
+            check_target(self.manifest, target, template=template)
             for who, ids in layer_ids.items():
                 check_layers(self.manifest, ids, who)
             check_max_length(self.manifest, max_length)

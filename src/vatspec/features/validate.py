@@ -69,7 +69,11 @@ def validate_cache(root: str | Path, target=None, *, sample: int = 4, seed: int 
             rep.problems.append(f"cannot open the cache's target to compare a sample ({e}); pass --target")
             return rep
     try:
-        check_target(m, target, what="--target")
+        from vatspec.data.chat import ChatTemplate
+
+        # the rows' token ids are stored: the same target is asked, not another rendering
+        recorded = ChatTemplate(kwargs=m.get("chat_template_kwargs") or {}, date=m.get("chat_template_date"))
+        check_target(m, target, template=recorded, what="--target")
     except FeatureCacheError as e:
         rep.problems.append(str(e))
         return rep

@@ -83,6 +83,7 @@ def write_cache(
     max_length: int = 2048,
     batch_size: int = 8,
     source: str = "",
+    template=None,
     rank: int = 0,
     world: int = 1,
     finalize: bool = True,
@@ -100,6 +101,8 @@ def write_cache(
                 from the cache as it would online; faster where the CPU multiplies bf16 in hardware,
                 AVX512-BF16 or AMX).
     shard_size: bytes per shard file (a shard holds whole conversations, at least one).
+    template:   the ``ChatTemplate`` the conversations are rendered with, as served (None: the tokenizer's own,
+                no arguments); its arguments and date are recorded in the manifest.
     batch_size: conversations per target forward (within a shard, longest first, to pad little).
     on_shard:   called with k after shard k is in place (tests use it to simulate a kill).
     The returned manifest carries ``written``: shards, tokens and seconds of this call (not saved).
@@ -117,7 +120,7 @@ def write_cache(
     if precision not in PRECISIONS:
         raise FeatureCacheError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
     tok = target.tokenizer
-    template = D.target_template(target)
+    template = template or D.ChatTemplate()
     examples = [D.tokenize_conversation(c, tok, max_length, template) for c in convs]
     if not examples:
         raise FeatureCacheError(f"{source or 'the data'}: no conversations to cache")

@@ -139,7 +139,6 @@ class Target:
             p.requires_grad_(False)
         self.tokenizer = tokenizer
         self.path = str(path) if path is not None else None
-        self.chat = None  # the chat template settings it renders with (vatspec.data.chat.attach_template)
         cfg = model.config
         text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
         self.config = text_cfg

@@ -23,7 +23,8 @@ class TrainData:
 
     target: object  # the loaded target
     source: object  # what the loop asks for target outputs: the target, or the feature cache (CachedTarget)
-    settings: dict  # the chat template's settings every sequence was rendered with
+    template: D.ChatTemplate  # the chat template every sequence was rendered with, as served
+    settings: dict  # its settings (template.settings), recorded in the run's config and checkpoints
     train_ex: list
     held_ex: list
     batches: D.BatchIterator
@@ -62,7 +63,8 @@ def load_training_data(cfgs: list[Config], target=None, *, device, rank: int = 0
     # the template every sequence is rendered with (as served); recorded in config.yaml, checked against the data's
     template = D.attach_template(target, dcfg.chat_template, dcfg.chat_template_kwargs, dcfg.chat_template_date or None)
     # a template that stamps a date renders the one recorded with the data (or the cache): the same sequences
-    template = D.adopt_date(target, D.recorded_settings(convs) if convs is not None else cache_settings(dcfg.features))
+    template = D.pin_date(template, target.tokenizer,
+                          D.recorded_settings(convs) if convs is not None else cache_settings(dcfg.features))
     settings = template.settings(target.tokenizer)
     if convs is not None:
         D.check_data_template(convs, settings, f"data.train={dcfg.train}")
@@ -83,14 +85,14 @@ def load_training_data(cfgs: list[Config], target=None, *, device, rank: int = 0
             checked(cache.verify_rows, exs, where=src, root=cache.root)
     batches = D.BatchIterator(train_ex, dcfg.batch_size, pad_id=pad_id(target), seed=base.train.seed)
     total = base.train.steps or max(1, len(batches) // base.optim.grad_accum) * base.train.epochs
-    return TrainData(target, source, settings, train_ex, held_ex, batches, counts, total, stats, cached)
+    return TrainData(target, source, template, settings, train_ex, held_ex, batches, counts, total, stats, cached)
 
 
 def _examples(cfgs, target, template, settings, convs, stats) -> tuple[list, list, list]:
     """(training examples, held-out examples, caches read): ``data.heldout``, or the held-out split of the
     training items; conversations tokenized, or the rows of ``data.features``."""
     dcfg, tok = cfgs[0].data, target.tokenizer
-    train_cache = open_cache(dcfg.features, "data.features", target, cfgs, convs) if dcfg.features else None
+    train_cache = open_cache(dcfg.features, "data.features", target, template, cfgs, convs) if dcfg.features else None
     held_cache = train_cache
     items = list(range(len(train_cache))) if train_cache else convs  # cache rows stand for the conversations
     if dcfg.heldout:
@@ -98,7 +100,7 @@ def _examples(cfgs, target, template, settings, convs, stats) -> tuple[list, lis
             if Path(dcfg.heldout).resolve() == Path(dcfg.features).resolve():
                 raise TrainError(f"data.heldout={dcfg.heldout} is data.features: held-out metrics would score the "
                                  "training conversations")
-            held_cache = open_cache(dcfg.heldout, "data.heldout", target, cfgs, None)
+            held_cache = open_cache(dcfg.heldout, "data.heldout", target, template, cfgs, None)
             held_items = list(range(len(held_cache)))
         else:
             stats["data.heldout"] = read = {}
@@ -176,9 +178,9 @@ def cache_settings(path: str) -> dict | None:
         return None  # open_cache says what is wrong with it
 
 
-def open_cache(path: str, field: str, target, cfgs: list[Config], convs):
-    """The feature cache at ``path``, checked against the run: the target, every arm's layers, the max
-    length, and (``convs``: data.train given too) the conversations it was built from."""
+def open_cache(path: str, field: str, target, template, cfgs: list[Config], convs):
+    """The feature cache at ``path``, checked against the run: the target and its chat ``template``, every arm's
+    layers, the max length, and (``convs``: data.train given too) the conversations it was built from."""
     from vatspec.features import FeatureCache, config_layer_ids
     from vatspec.features.format import conversations_sha256
 
@@ -194,7 +196,7 @@ def open_cache(path: str, field: str, target, cfgs: list[Config], convs):
                          f"train.precision={cfgs[0].train.precision}; rebuild it with cache-features --precision "
                          f"{cfgs[0].train.precision}, or set train.precision={cache.precision}")
     who = {f"the {c.drafter.kind} drafter of {c.train.out_dir}": layers(c) for c in cfgs}
-    checked(cache.check_run, target, who, cfgs[0].data.max_length, where=f"{field}={path}", root=cache.root)
+    checked(cache.check_run, target, who, cfgs[0].data.max_length, template, where=f"{field}={path}", root=cache.root)
     src = cache.manifest["source"]
     if convs is not None and conversations_sha256(convs) != src["sha256"]:
         raise TrainError(f"data.train={cfgs[0].data.train}: not the conversations the cache was built from "

@@ -75,7 +75,7 @@ def train_arms(cfgs: list[Config], *, resume: bool = False, init_from: str | Non
                             init=init) for c in cfgs]
         for cache, src in data.cached:  # the drafters as built (--init-from may bring other layers)
             who = {f"the {a.drafter.kind} drafter of {a.run_dir}": a.drafter.target_layer_ids for a in arms}
-            checked(cache.check_run, data.target, who, dcfg.max_length, where=src, root=cache.root)
+            checked(cache.check_run, data.target, who, dcfg.max_length, data.template, where=src, root=cache.root)
         step = run.resume(arms, data.batches, data.total, with_changes)
         if step is None:  # a finished run: nothing to do, nothing written
             finals = run.final_metrics()

@@ -109,3 +109,14 @@ def test_a_pair_that_resolves_is_allowed():
     # EAGLE-3 chains with DFlash's hard CE and curve: fine once gamma is given
     assert load_config(None, ["drafter=eagle3", "loss=dflash", "loss.gamma=3"]).loss.gamma == 3.0
     assert load_config(None, ["drafter=dflash", "loss=eagle3"]).loss.curve == "eagle3"
+
+
+def test_a_day_is_read_as_written(tmp_path):
+    """YAML would read an unquoted 2026-01-05 as a date (refused as 'not a string') and fail on 2026-13-01 with
+    an error that names no field: a day stays text, and the field's check names what is wrong."""
+    assert load_config(None, ["data.chat_template_date=2026-01-05"]).data.chat_template_date == "2026-01-05"
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("data:\n  chat_template_date: 2026-12-07\n")
+    assert load_config(str(cfg), []).data.chat_template_date == "2026-12-07"
+    with pytest.raises(ConfigError, match=r"data.chat_template_date: must be a day as YYYY-MM-DD .*'2026-13-01'"):
+        load_config(None, ["data.chat_template_date=2026-13-01"])

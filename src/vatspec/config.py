@@ -229,7 +229,7 @@ def parse_override(item: str) -> dict:
     if not sep or "." not in key:
         raise ConfigError(f"override {item!r}: expected section.field=value (or drafter=KIND, loss=KIND)")
     section, _, name = key.partition(".")
-    return {section: {name: yaml.safe_load(raw) if raw.strip() else ""}}
+    return {section: {name: yaml.load(raw, Loader=_UniqueKeys) if raw.strip() else ""}}
 
 
 class _UniqueKeys(yaml.SafeLoader):
@@ -245,6 +245,11 @@ class _UniqueKeys(yaml.SafeLoader):
                                                         f"{key_node.start_mark.line + 1})", key_node.start_mark)
             seen.add(key)
         return super().construct_mapping(node, deep)
+
+
+# a day stays the text it was written as (data.chat_template_date=2026-01-05): YAML would make it a date, or raise
+# a ValueError naming no field for 2026-13-01; the field's own check says what a day must be
+_UniqueKeys.add_constructor("tag:yaml.org,2002:timestamp", lambda loader, node: loader.construct_scalar(node))
 
 
 def resolve_loss(cfg: Config) -> Config:
@@ -459,7 +464,7 @@ def config_sources(path: str | Path | None = None,
     """
     cfg = load_config(path, overrides)  # every check and error message comes from here
     path = find_config(path) if path else None
-    layers = [(str(path), yaml.safe_load(path.read_text()) or {})] if path else []
+    layers = [(str(path), yaml.load(path.read_text(), Loader=_UniqueKeys) or {})] if path else []
     layers += [(f"override {item}", parse_override(item)) for item in overrides]
     given, source = Config(), {}  # given: the config before resolve_loss
     for where, data in layers:

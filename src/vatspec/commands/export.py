@@ -11,6 +11,7 @@ from pathlib import Path
 
 from vatspec.checkpoint import CheckpointError, resolve_checkpoint, saved_config
 from vatspec.commands import add_dtype_arg, int_arg, report
+from vatspec.drafters import DRAFTERS
 from vatspec.drafts import open_draft
 from vatspec.export import FORMATS, default_format, export_draft, to_vllm_ids
 from vatspec.export.formats import HEAD_DIR
@@ -22,7 +23,8 @@ from vatspec.target import TargetError, open_target
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoint", help="a checkpoint folder, or a run folder (-> its latest checkpoint)")
-    parser.add_argument("--format", choices=list(FORMATS), help="default: eagle3-hf for EAGLE-3, dflash for DFlash")
+    parser.add_argument("--format", choices=list(FORMATS), help="default: " + ", ".join(
+        f"{cls.formats[0].name} for {cls.title}" for cls in DRAFTERS.values() if cls.formats))
     parser.add_argument("--out", required=True, help="the folder to write (must not exist or be empty)")
     parser.add_argument("--target", help="target model folder; default: target.path of the checkpoint's config.yaml")
     parser.add_argument("--force", action="store_true", help="replace a non-empty --out made by an earlier export")
@@ -65,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"  layer ids: ours/SGLang/DFlash (output of layer i) {ids}; vLLM (input of layer j) {to_vllm_ids(ids)}")
     if head is not None:
         print(f"  accept head: {out / HEAD_DIR} (threshold {args.exit_threshold}); not part of the served weights")
-    print("  launch commands: docs/serving.md")
+    print(f"  launch commands for vLLM and SGLang: {out / 'README.md'} (the model card)")
     return 0
 
 

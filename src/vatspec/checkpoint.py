@@ -32,14 +32,11 @@ import yaml
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from vatspec.drafters.errors import CheckpointError
 from vatspec.outputs import WRITE_ERRORS, user_mode, write_error
 
 if TYPE_CHECKING:  # the drafters' served formats raise a CheckpointError: they import this module, not the reverse
     from vatspec.drafters.base import AcceptHead
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete or does not fit the target."""
 
 
 def _atomic_write_text(path: Path, text: str) -> None:

@@ -17,6 +17,7 @@ import dataclasses
 import math
 import types
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -30,6 +31,22 @@ from vatspec.objective.losses import LossConfig
 
 class ConfigError(ValueError):
     """A configuration file or override is invalid."""
+
+
+TRACKERS = ("tensorboard", "wandb", "trackio", "mlflow")  # what train.report_to may name (vatspec.train.tracking)
+
+
+def parse_report_to(value: str | Sequence[str], where: str) -> tuple[str, ...]:
+    """``"tensorboard,wandb"`` or a list -> the tracker names, each once, in order; ``""`` and ``"none"``: none.
+    An unknown name is a ValueError naming ``where`` and the choices."""
+    items = value.split(",") if isinstance(value, str) else list(value)
+    names = tuple(dict.fromkeys(str(n).strip() for n in items if str(n).strip()))
+    if names == ("none",):
+        return ()
+    for n in names:
+        if n not in TRACKERS:
+            raise ValueError(f"{where}: unknown tracker {n!r} (choose from {', '.join(TRACKERS)}, or none)")
+    return names
 
 
 @dataclass(frozen=True)
@@ -159,8 +176,6 @@ class TrainConfig:
     entity: str = ""
 
     def __post_init__(self):
-        from vatspec.train.tracking import parse_report_to
-
         object.__setattr__(self, "report_to", parse_report_to(self.report_to, "train.report_to"))
 
 

@@ -19,10 +19,9 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn import Linear
 from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, rotate_half
-
-from vatspec.drafters.base import Linear
 
 # Llama RMSNorm: statistics in float32, weight applied in the input dtype.
 RMSNorm = LlamaRMSNorm

@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from vatspec.checkpoint import CheckpointError
+from vatspec.drafters.errors import CheckpointError
 from vatspec.drafters.layers import rope_parameters
 
 CONFIG, WEIGHTS = "config.json", "model.safetensors"  # what the engines read from every served folder

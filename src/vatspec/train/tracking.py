@@ -42,7 +42,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-TRACKERS = ("tensorboard", "wandb", "trackio", "mlflow")
+from vatspec.config import TRACKERS, parse_report_to  # noqa: F401 (the names callers read here)
+
 # the modules each tracker imports: all present, or `pip install 'vatspec[NAME]'`
 NEEDS = {"tensorboard": ("tensorboard",), "wandb": ("wandb",), "trackio": ("trackio",),
          "mlflow": ("mlflow", "sqlalchemy", "alembic")}  # mlflow's local store is SQLite (its file store is retired)
@@ -55,19 +56,6 @@ STATE_FILE = "trackers.json"
 
 class TrackingError(RuntimeError):
     """A tracker that cannot be used: not installed, or its run cannot be reopened."""
-
-
-def parse_report_to(value: str | Sequence[str], where: str) -> tuple[str, ...]:
-    """``"tensorboard,wandb"`` or a list -> the tracker names, each once, in order; ``""`` and ``"none"``: none.
-    An unknown name is a ValueError naming ``where`` and the choices."""
-    items = value.split(",") if isinstance(value, str) else list(value)
-    names = tuple(dict.fromkeys(str(n).strip() for n in items if str(n).strip()))
-    if names == ("none",):
-        return ()
-    for n in names:
-        if n not in TRACKERS:
-            raise ValueError(f"{where}: unknown tracker {n!r} (choose from {', '.join(TRACKERS)}, or none)")
-    return names
 
 
 def project_name(kind: str, project: str = "") -> str:

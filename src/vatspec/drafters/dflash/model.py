@@ -44,8 +44,9 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn import Linear
 
-from vatspec.drafters.base import AcceptHead, Drafter, DrafterPlan, DraftOutput, Linear, batch_field
+from vatspec.drafters.base import AcceptHead, Drafter, DrafterPlan, DraftOutput, batch_field
 from vatspec.drafters.dflash.config import DFlashConfig, default_target_layer_ids
 from vatspec.drafters.dflash.formats import DFLASH
 from vatspec.drafters.dflash.session import DFlashSession

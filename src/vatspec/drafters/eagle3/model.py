@@ -35,8 +35,9 @@ import copy
 
 import torch
 from torch import Tensor, nn
+from torch.nn import Linear
 
-from vatspec.drafters.base import AcceptHead, Drafter, DraftOutput, Linear, batch_field
+from vatspec.drafters.base import AcceptHead, Drafter, DraftOutput, batch_field
 from vatspec.drafters.eagle3.config import Eagle3Config, default_layer_ids
 from vatspec.drafters.eagle3.formats import EAGLE3_HF, SPECULATORS
 from vatspec.drafters.eagle3.session import Eagle3Session

@@ -474,8 +474,10 @@ def config_sources(path: str | Path | None = None,
     every field, in the dataclasses' order. ``source`` is ``default``, the file's path, ``override ITEM`` (the
     last to name the field wins, as in ``load_config``), or ``resolved (loss.kind=K, drafter=D)`` for a loss
     field that ``resolve_loss`` filled when the config loaded. Errors are ``load_config``'s ``ConfigError``s.
+    With ``path="qwen3-8b-eagle3-vat"`` (an installed config) the file is the one ``find_config`` finds:
 
-        ("data.max_length", 4096, "recipes/qwen3-8b-eagle3-vat.yaml"), ("loss.soft", True, "resolved (...)")
+        ("data.max_length", 4096, ".../vatspec_recipes/configs/qwen3-8b-eagle3-vat.yaml"),
+        ("loss.soft", True, "resolved (...)")
     """
     cfg = load_config(path, overrides)  # every check and error message comes from here
     path = find_config(path) if path else None

@@ -75,7 +75,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def format_sources(rows: list[tuple[str, object, str]]) -> str:
-    """``config_sources`` rows as aligned lines: ``data.max_length  2048  recipes/x.yaml``."""
+    """``config_sources`` rows as aligned lines, e.g. for ``--config qwen3-8b-eagle3-vat``:
+    ``data.max_length  4096  .../vatspec_recipes/configs/qwen3-8b-eagle3-vat.yaml``."""
     values = [_show(v) for _, v, _ in rows]
     kw, vw = max(len(k) for k, _, _ in rows), max(map(len, values))
     return "\n".join(f"{k:<{kw}}  {v:<{vw}}  {src}" for (k, _, src), v in zip(rows, values))

@@ -1,5 +1,5 @@
-"""Every experiment recipe (recipes/experiments) loads and builds a config per arm: a typo in a recipe
-fails here, not after a regeneration."""
+"""Every experiment recipe (``experiments/*.yaml`` of vatspec_recipes) loads and builds a config per arm: a
+typo in a recipe fails here, not after a regeneration."""
 
 from __future__ import annotations
 

@@ -24,7 +24,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="at the demo's smoke size (recipe demo-quick's)")
     size.add_argument("--full", action="store_true", help="at the long recipe's size (demo-full's), one seed")
-    parser.add_argument("--recipe", help="an experiment recipe: a YAML file, or a name in recipes/experiments; "
+    parser.add_argument("--recipe", help="an experiment recipe: a YAML file, or the name of one in vatspec_recipes' "
+                                         "experiments/ (e.g. ablation); "
                                          "unset: ablation, or objectives with --arms")
     parser.add_argument("--out", default="reports/ablate", help="report folder")
     parser.add_argument("--drafter", default="dflash", choices=list(DRAFTERS), help="the drafter trained in every arm")

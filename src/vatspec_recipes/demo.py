@@ -3,7 +3,8 @@ report folder: the recipe ``demo`` (``--quick``: ``demo-quick``; ``--full``: ``d
 recipe) run by ``vatspec_recipes.experiment.run``; ``--recipe`` runs any other experiment recipe.
 
     vatspec demo [--quick | --full] [--seeds N] [--original-answers N] [--out reports/demo]
-    vatspec demo --recipe recipes/experiments/my-arms.yaml --out reports/mine
+    vatspec demo --recipe more-seeds-dflash          # a recipe of vatspec_recipes/experiments/ by name
+    vatspec demo --recipe my-arms.yaml --out reports/mine   # or a YAML file
     vatspec demo --redecode [--out reports/demo]     # steps 4-5 again on its trained drafts
     vatspec demo --report-to tensorboard,wandb       # the arms' training runs and the report to trackers too
 """
@@ -29,7 +30,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     size.add_argument("--full", action="store_true",
                       help="the long recipe (demo-full): 512 conversations, 400 steps, 4 seeds per arm (<= 2 h on "
                            "2 cores)")
-    parser.add_argument("--recipe", help="an experiment recipe: a YAML file, or a name in recipes/experiments; "
+    parser.add_argument("--recipe", help="an experiment recipe: a YAML file, or the name of one in vatspec_recipes' "
+                                         "experiments/ (e.g. demo-quick); "
                                          "unset: demo, demo-quick with --quick, demo-full with --full")
     parser.add_argument("--out", default="reports/demo", help="report folder")
     add_size_args(parser)

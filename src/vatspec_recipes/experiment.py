@@ -1,10 +1,10 @@
 """One runner for every experiment: arms -> training in lockstep -> decoding -> report.
 
-An experiment is a recipe (YAML, ``recipes/experiments/``): a size (data, steps, decoding), the arms
-(a name and its ``vatspec train`` overrides each), the pairs compared (an arm -> the arm it is
-measured against), how decoding chooses k, and the report it writes. ``vatspec demo`` and ``vatspec
-ablate`` run the recipes ``demo`` (``demo-quick``, ``demo-full``: the long recipe), ``ablation`` and
-``objectives``; ``vatspec demo --recipe FILE`` runs any other.
+An experiment is a recipe (YAML: ``experiments/*.yaml`` of this package, named like ``demo-quick``, or a
+file): a size (data, steps, decoding), the arms (a name and its ``vatspec train`` overrides each), the
+pairs compared (an arm -> the arm it is measured against), how decoding chooses k, and the report it
+writes. ``vatspec demo`` and ``vatspec ablate`` run the recipes ``demo`` (``demo-quick``, ``demo-full``:
+the long recipe), ``ablation`` and ``objectives``; ``vatspec demo --recipe NAME|FILE`` runs any other.
 
     recipe = load_recipe("demo-quick")
     summary = run(recipe, Path("reports/demo"))

@@ -1,5 +1,5 @@
 """What one target pass costs for q = 1..8 new tokens on a cached context: the decoder layers and the
-lm_head with each few-row kernel of the target (``Target.kernel``: ``linear`` = plain ``F.linear``,
+lm_head with each few-row kernel (``vatspec.eval.kernels.few_row_kernel``: ``linear`` = plain ``F.linear``,
 ``matmul`` = always ``weight @ x.T``, ``auto`` = the faster of the two, timed once per shape in this
 process), side by side in interleaved rounds (``timer.SideBySide``). Explains a decode round's verify
 cost in AR steps.

@@ -7,8 +7,11 @@ session, batch plan, served formats), listed in ``DRAFTERS`` under its ``kind``.
     out = drafter.training_forward(batch, tout, **plan.kwargs)   # -> DraftOutput, k positions per chain
 
 Adding a drafter is one folder (and its tests) plus its line in ``DRAFTERS``: no code outside ``drafters/``
-asks which kind it holds. What the kinds share: ``layers.py`` (RMSNorm, RoPE, the MLP, attention),
-``vocab.py`` (a reduced draft vocabulary), ``sampling.py`` (a round's proposal), ``served.py`` (served formats).
+asks which kind it holds. Outside the folder go only settings of its own, as ``DrafterConfig`` fields
+(``config.py``, each tagged with its kind in its metadata, like ``EAGLE3_ONLY``), and a new loss schedule, whose
+curve goes in ``objective/terms.py`` (``SCHEDULES``, ``_base_curve``). What the kinds share: ``layers.py``
+(RMSNorm, RoPE, the MLP, attention), ``vocab.py`` (a reduced draft vocabulary), ``sampling.py`` (a round's
+proposal), ``served.py`` (served formats).
 """
 
 from __future__ import annotations

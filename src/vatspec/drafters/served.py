@@ -217,9 +217,11 @@ class ServedFormat:
 
     def read(self, folder: Path, cfg: dict, weights: dict[str, Tensor], target, *,
              k: int | None = None) -> tuple[Any, dict[str, Tensor]]:
-        """A served folder -> (the drafter's config, its ``state_dict`` from ``weights``, the served tensors under
-        internal names). ``k``: the drafted length, where it is a setting. ``ExportError`` naming the field at
-        fault when the draft does not fit ``target`` or is a variant vatspec's drafter does not implement."""
+        """A served folder -> (the drafter's config, its ``state_dict``). ``cfg`` is the folder's config.json and
+        ``weights`` its tensors, already under internal names (``internal_name``); the ``state_dict`` is
+        ``weights`` with what the format adds (an EAGLE-3 draft's identity d2t / t2d, a DFlash draft's learned
+        MASK row). ``k``: the drafted length, where it is a setting. ``ExportError`` naming the field at fault
+        when the draft does not fit ``target`` or is a variant vatspec's drafter does not implement."""
         raise NotImplementedError
 
     # ------------------------------------------------------------------ the model card

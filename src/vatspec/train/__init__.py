@@ -5,6 +5,9 @@
     loop.py          the loop over arms in lockstep (``train``, ``train_arms``)
     checkpointer.py  the run folders: one writer, resume, checkpoints, metrics (``Checkpointer``)
     dist.py          torchrun's process group and averaged metrics
+    optim.py         the optimizer (``optim.kind``): AdamW, or Muon with AdamW (``build_optimizer``)
+    tracking.py      experiment trackers: TensorBoard, W&B, Trackio, MLflow (``open_trackers``)
+    errors.py        the one error training raises for bad input (``TrainError``)
 
     cfg = load_config("run.yaml", ["drafter=eagle3", "loss=vat", "train.steps=200"])
     metrics = train(cfg)            # `vatspec train --config run.yaml drafter=eagle3 loss=vat ...`

@@ -28,13 +28,14 @@ from pathlib import Path
 
 import torch
 from timer import SideBySide
-from vatspec.commands.demo import with_trackers
 
+from vatspec.config import parse_report_to
 from vatspec.outputs import vatspec_home
 from vatspec.target import open_target
 from vatspec.train import Checkpointer, build_arm, load_training_data, lockstep_key
 from vatspec.train.loop import accumulate, apply_step, peak_memory_mib
-from vatspec.train.tracking import check_installed, parse_report_to
+from vatspec.train.tracking import check_installed
+from vatspec_recipes.demo import with_trackers
 from vatspec_recipes.experiment import arm_configs, train_precision
 from vatspec_recipes.recipe import load_recipe
 

@@ -80,6 +80,7 @@ def test_a_dflash_card_without_a_run(smol_tokenizer_target, tmp_path):
     assert "| kind | DFlash |" in card and f"| block size | {BLOCK} |" in card
     assert f"| tokens drafted a round (block size - 1) | {BLOCK - 1} |" in card
     assert "- data: not recorded" in card and "Not measured" in card  # nothing invented
+    assert "- chat template arguments: not recorded" in card and "reasoning" not in card
     spec = shlex.quote(json.dumps({"method": "dflash", "model": str(out), "num_speculative_tokens": BLOCK - 1}))
     assert f"vllm serve {t.path} --speculative-config {spec}" in card
     assert (f"--model-path {t.path} \\\n    --speculative-algorithm DFLASH --speculative-draft-model-path {out} \\\n"

@@ -297,9 +297,8 @@ def test_compositions_load_from_the_command_line():
 
 
 def test_arms_parsing_and_a_bad_arm_is_one_clear_error(capsys, tmp_path):
-    from vatspec.commands.ablate import parse_arms, with_baseline
-
     from vatspec.cli import main
+    from vatspec_recipes.ablate import parse_arms, with_baseline
 
     assert parse_arms("vat, kl,dspark") == ["vat", "kl", "dspark"]
     assert with_baseline(["vat", "kl"], "eagle3") == ["eagle3", "vat", "kl"]

@@ -18,10 +18,9 @@ import pytest
 from tests.conftest import COUNT_CONVS
 from tests.test_train import _cfg as train_cfg
 from vatspec.cli import main
-from vatspec.config import ConfigError, load_config
+from vatspec.config import TRACKERS, ConfigError, load_config
 from vatspec.train import tracking, train
 
-TRACKERS = tracking.TRACKERS
 FLOAT32_REL = 1e-6  # TensorBoard keeps scalars as float32: 2^-24 ~ 6e-8 relative, with room
 RESUME_REL = 1e-6  # a resumed step recomputes the uninterrupted one (tests/test_train.py's tolerance)
 MEASURED = ("tokens_per_s", "peak_memory_mib")  # timings and memory, not computed: a step run again differs

@@ -31,9 +31,10 @@ from pathlib import Path
 
 import torch
 
-from vatspec import bench, benchmarks
+from vatspec import benchmarks
 from vatspec.config import load_config
 from vatspec.drafts import open_draft
+from vatspec.eval import bench
 from vatspec.eval.decode import generate
 from vatspec.eval.stats import paired_difference
 from vatspec.target import open_target

@@ -28,13 +28,13 @@ log = logging.getLogger(__name__)
 OWNER = ".vatspec-owner"
 
 
-
 def vatspec_home() -> Path:
     """Cache directory for converted targets and bundled corpora (``$VATSPEC_HOME``)."""
     env = os.environ.get("VATSPEC_HOME")
     if env:
         return Path(env).expanduser()
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")).expanduser() / "vatspec"
+
 
 class OutputError(ValueError):
     """An output location that would damage a file, a folder or an input the command does not own."""

@@ -13,8 +13,8 @@ import argparse
 from pathlib import Path
 
 from vatspec.commands import report
-from vatspec.drafters import DRAFTERS
-from vatspec.objective.losses import BASELINE, KINDS
+from vatspec.drafters import DRAFTERS, drafter_class
+from vatspec.objective.losses import KINDS
 from vatspec_recipes import demo, experiment
 from vatspec_recipes import report as R
 from vatspec_recipes.recipe import ExperimentError, load_recipe, recipe_size
@@ -53,7 +53,7 @@ def parse_arms(text: str) -> list[str]:
 def with_baseline(arms: list[str], drafter: str) -> list[str]:
     """The arms with the drafter's baseline kind first (added when missing): the differences are from it.
     eagle3 drafter, [vat, kl] -> [eagle3, vat, kl]."""
-    base = BASELINE[drafter]
+    base = drafter_class(drafter).baseline_loss
     return [base, *(a for a in arms if a != base)]
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 
-class ExperimentError(RuntimeError):
+class ExperimentError(ValueError):
     """An experiment cannot run as asked: a bad recipe, or an output folder that belongs to something else."""
 
 

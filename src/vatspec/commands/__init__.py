@@ -137,7 +137,7 @@ def check_report_out(path, inputs: dict, ours, what: str) -> None:
 def add_report_to_arg(parser: argparse.ArgumentParser) -> None:
     """``--report-to TRACKER,...``: the experiment trackers that get a command's report (and, for the runners,
     its arms' training runs, as ``train.report_to``); one not installed is refused before any work."""
-    from vatspec.train.tracking import TRACKERS
+    from vatspec.config import TRACKERS
 
     parser.add_argument("--report-to", type=report_to_arg, default=(), metavar="TRACKER,...",
                         help=f"also log to these experiment trackers ({', '.join(TRACKERS)}; each an extra: pip "
@@ -146,7 +146,8 @@ def add_report_to_arg(parser: argparse.ArgumentParser) -> None:
 
 def report_to_arg(value: str) -> tuple[str, ...]:
     """argparse ``type=`` for ``--report-to``: tracker names, each installed."""
-    from vatspec.train.tracking import TrackingError, check_installed, parse_report_to
+    from vatspec.config import parse_report_to
+    from vatspec.train.tracking import TrackingError, check_installed
 
     try:
         names = parse_report_to(value, "--report-to")

@@ -189,7 +189,8 @@ def _write(args: argparse.Namespace) -> int:
                      for i in drafter_layer_ids(kind, target.num_layers, n)]
     precision = args.precision if args.precision != "auto" else ("bf16" if target.device.type == "cuda" else "fp32")
     if rank == 0:
-        print(f"cache-features: the target pass in {precision}" + (" (auto)" if args.precision == "auto" else ""),
+        print(f"cache-features: the target in {target.dtype}".replace("torch.", "") + f", its pass in {precision}"
+              + (" (auto)" if args.precision == "auto" else "") + f"; features stored as {args.feature_dtype}",
               file=sys.stderr)
     with write_lock(args.out, "--out", "cache-features", part=f"{rank}/{world}"):  # one writer per share
         man = write_cache(target, convs, args.out, layer_ids=layer_ids, dtype=args.feature_dtype,

@@ -14,18 +14,19 @@ from pathlib import Path
 
 from vatspec.checkpoint import CheckpointError
 from vatspec.commands import report
-from vatspec.config import Config, ConfigError, DrafterConfig, config_sources, load_config
+from vatspec.config import Config, ConfigError, DrafterConfig, config_sources, installed_configs, load_config
 from vatspec.data import DataError
+from vatspec.drafters import drafter_class
 from vatspec.features import FeatureCacheError
 from vatspec.target import TargetError
-from vatspec.train import MIN_SUPERVISED, REFERENCE, TrainError, finished, heldout_split, reference_optim, train
+from vatspec.train import MIN_SUPERVISED, TrainError, finished, heldout_split, reference_optim, train
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("overrides", nargs="*", help="section.field=value overrides (e.g. loss.kind=vat)")
     parser.add_argument("--config", metavar="FILE_OR_NAME",
-                        help="YAML file of overrides, or the name of an installed config (vatspec_recipes: "
-                             "qwen3-8b-eagle3-vat, ...; an unknown name lists them)")
+                        help="YAML file of overrides, or the name of an installed config ("
+                             + (", ".join(installed_configs()) or "none installed") + ")")
     parser.add_argument("--resume", action="store_true", help="continue the run in train.out_dir (a finished run: "
                                                               "nothing to do)")
     parser.add_argument("--resume-with-changes", action="store_true",
@@ -198,8 +199,9 @@ def _bytes(n: float) -> str:
 def _reference_note(key: str, value, kind: str) -> str:
     """For an optim field left null: the drafter's reference value the trainer puts there when it starts."""
     section, _, name = key.partition(".")
-    if section == "optim" and value is None and name in REFERENCE[kind]:
-        return f" (null: {REFERENCE[kind][name]:g}, the {kind} reference, set when training starts)"
+    reference = drafter_class(kind).reference_optim
+    if section == "optim" and value is None and name in reference:
+        return f" (null: {reference[name]:g}, the {kind} reference, set when training starts)"
     return ""
 
 

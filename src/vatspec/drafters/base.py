@@ -16,10 +16,6 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 import torch
 from torch import Tensor, nn
 
-# a drafter's linears are plain: the decode loop gives a step's few rows the faster kernel of this CPU
-# (``vatspec.eval.kernels.few_row_kernel``), for the draft as for the target
-from torch.nn import Linear
-
 if TYPE_CHECKING:
     from vatspec.drafters.served import ServedFormat
 
@@ -235,7 +231,7 @@ class AcceptHead(nn.Module):
         if label not in HEAD_RULES:
             raise ValueError(f"AcceptHead label must be one of {tuple(HEAD_RULES)}, got {label!r}")
         self.label = label
-        self.proj = Linear(hidden_size, 1)
+        self.proj = nn.Linear(hidden_size, 1)
 
     def forward(self, hidden: Tensor) -> Tensor:  # [..., H] -> [..., ]
         return self.proj(hidden).squeeze(-1)

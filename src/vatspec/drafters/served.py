@@ -175,7 +175,10 @@ class ServedFormat:
 
     def build_config(self, drafter, target, dtype: str, *, k: int | None = None, verifier: str | None = None,
                      mask_token_id: int | None = None) -> dict:
-        """The config.json of ``drafter`` (see ``vatspec.export.build_config`` for the options)."""
+        """The config.json of ``drafter``. Options a format without them ignores: ``k`` tokens drafted per round,
+        written as ``speculative_tokens`` (speculators; default ``drafter.k``, the TTT steps); ``verifier``, the
+        target name vLLM loads when serving the draft folder alone (speculators; default the target's path);
+        ``mask_token_id``, the target id a learned MASK row is served for (dflash)."""
         raise NotImplementedError
 
     def served_state(self, drafter, target) -> dict[str, Tensor]:

@@ -211,7 +211,7 @@ def generate(
     if max_new_tokens <= 0:
         return result
 
-    with few_row_kernel(target.model, drafter, head, kind=kernel):  # this loop's few-row products
+    with few_row_kernel(getattr(target, "model", None), drafter, head, kind=kernel):  # this loop's few-row products
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         is_eos = torch.zeros(target.vocab_size, dtype=torch.bool, device=device)  # [V]
         is_eos[torch.tensor(target.eos_token_ids, dtype=torch.long, device=device)] = True

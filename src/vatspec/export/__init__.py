@@ -1,7 +1,7 @@
 """Served draft formats: export to SGLang / vLLM / speculators, import back, validate on the way.
 
     formats.py   the formats by name (each its drafter's: ``Drafter.formats``), which one a config.json is
-    write.py     formats out: ``export_draft`` (and ``build_config``), validated before it is renamed in place
+    write.py     formats out: ``export_draft``, validated before it is renamed in place
     validate.py  ``validate_export``: an export folder against its format and, given one, the target
     read.py      formats in: ``import_draft``, ``load_accept_head``
 
@@ -33,23 +33,18 @@ from vatspec.export.formats import (
     FORMATS,
     ExportError,
     default_format,
-    detect_format,
-    expected_weights,
     served_format,
     to_vllm_ids,
 )
 from vatspec.export.read import import_draft, load_accept_head
 from vatspec.export.validate import validate_export
-from vatspec.export.write import build_config, export_draft
+from vatspec.export.write import export_draft
 
 __all__ = [
     "CONFIG_KEYS",
     "ExportError",
     "FORMATS",
-    "build_config",
     "default_format",
-    "detect_format",
-    "expected_weights",
     "export_draft",
     "import_draft",
     "load_accept_head",

@@ -11,7 +11,7 @@ from vatspec.drafters import DRAFTERS, SERVED_FORMATS, RegistryView
 from vatspec.drafters.served import CONFIG, WEIGHTS, ExportError, ServedFormat, to_vllm_ids
 
 __all__ = ["CONFIG", "CONFIG_KEYS", "FORMATS", "HEAD_DIR", "HEAD_FORMAT", "HEAD_INPUT", "WEIGHTS", "ExportError",
-           "default_format", "detect_format", "expected_weights", "read_json", "served_format", "to_vllm_ids"]
+           "default_format", "read_json", "served_format", "to_vllm_ids"]
 
 # format -> its drafter kind, and format -> the fields its config.json holds (exactly these: validate_export
 # checks), over the kinds in DRAFTERS when read
@@ -49,16 +49,6 @@ def detect(cfg: dict, source: str) -> ServedFormat:
     raise ExportError(f"{source}: architectures {archs} is none of the drafts vatspec reads: "
                       + "; ".join(f"{cls.title} ({', '.join(f.architectures[0] for f in cls.formats)})"
                                   for cls in DRAFTERS.values()))
-
-
-def detect_format(cfg: dict, source: str) -> str:
-    """The name of a config.json's format (``eagle3-hf`` | ``speculators`` | ``dflash``)."""
-    return detect(cfg, source).name
-
-
-def expected_weights(fmt: str, cfg: dict) -> dict[str, tuple[int, ...]]:
-    """Every tensor of a ``fmt`` export and its shape, from the sizes in its config.json."""
-    return served_format(fmt).expected_weights(cfg)
 
 
 def read_json(path: Path) -> dict:

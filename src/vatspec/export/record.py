@@ -62,9 +62,14 @@ def training_record(checkpoint: Path, k: int) -> dict:
 
 
 def make_record(drafter, target, training: dict | None, template=None) -> dict:
+    """The record of an export; ``template`` None (a served draft re-exported: its training is not known)
+    records no template arguments, so neither the card nor ``check`` claims any."""
+    fingerprint = target_fingerprint(target, template)
+    if template is None:
+        del fingerprint["chat_template_kwargs"]
     return {"format": RECORD_FORMAT, "version": 1, "drafter_kind": drafter.kind,
             "target_layer_ids": [int(i) for i in drafter.config.target_layer_ids],
-            "target": target_fingerprint(target, template), "training": training}
+            "target": fingerprint, "training": training}
 
 
 def read_record(folder: Path) -> dict | None:

@@ -27,19 +27,6 @@ from vatspec.outputs import WRITE_ERRORS, pid_alive, user_mode, write_error
 from vatspec.target import DTYPES, dtype_name
 
 
-# ----------------------------------------------------------------------------- config.json
-def build_config(fmt: str, drafter, target, dtype: str, *, k: int | None = None,
-                 verifier: str | None = None, mask_token_id: int | None = None) -> dict:
-    """The config.json of ``drafter`` in format ``fmt`` (see ``vatspec.export`` for the layer ids).
-
-    speculators only: ``k`` tokens drafted per round, written as ``speculative_tokens`` (default:
-    ``drafter.k``, the TTT steps) and ``verifier``, the target name vLLM loads when serving the draft
-    folder alone (default: the target's path). dflash only: ``mask_token_id`` serves a learned MASK row
-    (``served_mask_id``)."""
-    return served_format(fmt).build_config(drafter, target, dtype, k=k, verifier=verifier,
-                                           mask_token_id=mask_token_id)
-
-
 # ----------------------------------------------------------------------------- export
 def export_draft(
     drafter,
@@ -91,7 +78,7 @@ def export_draft(
         save_file(state, folder / WEIGHTS, metadata={"format": "pt"})
         user_mode(folder / WEIGHTS)  # an engine in a container runs as another user
         (folder / RECORD).write_text(json.dumps(make_record(drafter, target, training, template), indent=2) + "\n")
-        write_card(folder, fmt, target.path, drafter.k, Path(out))
+        write_card(folder, fmt, target.path, k or drafter.k, Path(out))  # a launch flag for a format without k
         served.write_files(folder, drafter, cfg, dtype)
         if head is not None:
             _write_head(folder / HEAD_DIR, head, drafter, exit_threshold)

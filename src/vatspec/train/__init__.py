@@ -16,7 +16,6 @@
 
 from vatspec.train.arms import (
     CHAINS_KEY,
-    REFERENCE,
     Arm,
     StepResult,
     TrainModule,
@@ -35,7 +34,7 @@ from vatspec.train.errors import TrainError
 from vatspec.train.loop import lockstep_key, train, train_arms
 
 __all__ = [
-    "CHAINS_KEY", "MIN_SUPERVISED", "REFERENCE", "Arm", "Checkpointer", "StepResult", "TrainData", "TrainError",
+    "CHAINS_KEY", "MIN_SUPERVISED", "Arm", "Checkpointer", "StepResult", "TrainData", "TrainError",
     "TrainModule", "arm_step", "arms_micro_step", "build_arm", "config_changes", "evaluate_arms", "finished",
     "heldout_split", "load_training_data", "lockstep_key", "lr_lambda", "pad_id", "reference_optim", "save_interval",
     "shared_target_pass", "step_generator", "tokenize_items", "train", "train_arms",

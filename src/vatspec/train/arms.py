@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from vatspec.config import Config, OptimConfig, dump_config
-from vatspec.drafters import DRAFTERS, DrafterPlan, build_drafter, drafter_class, plan_batch
+from vatspec.drafters import DrafterPlan, build_drafter, drafter_class, plan_batch
 from vatspec.drafters.base import AcceptHead
 from vatspec.objective.chunked import TeacherShare, chunked_pass
 from vatspec.objective.losses import vat_objective
@@ -27,9 +27,6 @@ from vatspec.target.precision import precision_context
 from vatspec.train.data import pad_id
 from vatspec.train.errors import TrainError
 from vatspec.train.optim import build_optimizer
-
-# the reference recipes' optimiser defaults per drafter kind (``Drafter.reference_optim``)
-REFERENCE = {kind: cls.reference_optim for kind, cls in DRAFTERS.items()}
 
 
 class TrainModule(nn.Module):
@@ -50,7 +47,6 @@ class TrainModule(nn.Module):
         return out, self.head(out.hidden if self.head_grad else out.hidden.detach())  # [..., k]
 
 
-
 def feature_noise(features: torch.Tensor, sigma: float, n_layers: int, generator: torch.Generator) -> torch.Tensor:
     """``features`` [B, T, n*H] plus Gaussian noise with standard deviation ``sigma`` times each
     layer's per-token RMS (the captured layers' outputs differ in scale, so one absolute scale would
@@ -63,6 +59,7 @@ def feature_noise(features: torch.Tensor, sigma: float, n_layers: int, generator
     rms = x.pow(2).mean(-1, keepdim=True).sqrt()  # [B, T, n, 1]
     z = torch.randn(x.shape, generator=generator, device=x.device)
     return (x + sigma * rms * z).reshape(B, T, nH).to(features.dtype)
+
 
 def lr_lambda(total: int, warmup: int, min_ratio: float):
     """Linear warmup to 1, then cosine to ``min_ratio``."""

@@ -42,8 +42,6 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from vatspec.config import TRACKERS, parse_report_to  # noqa: F401 (the names callers read here)
-
 # the modules each tracker imports: all present, or `pip install 'vatspec[NAME]'`
 NEEDS = {"tensorboard": ("tensorboard",), "wandb": ("wandb",), "trackio": ("trackio",),
          "mlflow": ("mlflow", "sqlalchemy", "alembic")}  # mlflow's local store is SQLite (its file store is retired)

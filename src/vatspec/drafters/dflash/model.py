@@ -44,7 +44,6 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn import Linear
 
 from vatspec.drafters.base import AcceptHead, Drafter, DrafterPlan, DraftOutput, batch_field
 from vatspec.drafters.dflash.config import DFlashConfig, default_target_layer_ids
@@ -72,10 +71,10 @@ class DFlashAttention(nn.Module):
     def __init__(self, c: DFlashConfig):
         super().__init__()
         self.h, self.hkv, self.d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        self.q_proj = Linear(c.hidden_size, self.h * self.d, bias=False)
-        self.k_proj = Linear(c.hidden_size, self.hkv * self.d, bias=False)
-        self.v_proj = Linear(c.hidden_size, self.hkv * self.d, bias=False)
-        self.o_proj = Linear(self.h * self.d, c.hidden_size, bias=False)
+        self.q_proj = nn.Linear(c.hidden_size, self.h * self.d, bias=False)
+        self.k_proj = nn.Linear(c.hidden_size, self.hkv * self.d, bias=False)
+        self.v_proj = nn.Linear(c.hidden_size, self.hkv * self.d, bias=False)
+        self.o_proj = nn.Linear(self.h * self.d, c.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.d, c.rms_norm_eps)
         self.k_norm = RMSNorm(self.d, c.rms_norm_eps)
 
@@ -139,7 +138,7 @@ class DFlashDrafter(Drafter):
         self.d2t = None  # identity: the draft vocabulary is the target's
         self.t2d = None
         self.layers = nn.ModuleList(DFlashDecoderLayer(c) for _ in range(c.num_layers))
-        self.fc = Linear(len(c.target_layer_ids) * c.target_hidden_size, c.hidden_size, bias=False)
+        self.fc = nn.Linear(len(c.target_layer_ids) * c.target_hidden_size, c.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         if c.mask_source == "learned":

@@ -35,7 +35,6 @@ import copy
 
 import torch
 from torch import Tensor, nn
-from torch.nn import Linear
 
 from vatspec.drafters.base import AcceptHead, Drafter, DraftOutput, batch_field
 from vatspec.drafters.eagle3.config import Eagle3Config, default_layer_ids
@@ -54,10 +53,10 @@ class Attention(nn.Module):
         self.num_kv_heads = c.num_kv_heads
         self.groups = c.num_heads // c.num_kv_heads
         self.head_dim = c.head_dim
-        self.q_proj = Linear(2 * c.hidden_size, c.num_heads * c.head_dim, bias=False)
-        self.k_proj = Linear(2 * c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
-        self.v_proj = Linear(2 * c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
-        self.o_proj = Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
+        self.q_proj = nn.Linear(2 * c.hidden_size, c.num_heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(2 * c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(2 * c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
 
     def qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x [B, T, 2H] -> q [B, nkv, g, T, hd] (RoPE), k [B, nkv, T, hd] (RoPE), v [B, nkv, T, hd].
@@ -131,10 +130,10 @@ class Eagle3Drafter(Drafter):
         c = config
         self.config = c
         self.hidden_size = c.hidden_size
-        self.fc = Linear(len(c.target_layer_ids) * c.target_hidden_size, c.hidden_size, bias=False)
+        self.fc = nn.Linear(len(c.target_layer_ids) * c.target_hidden_size, c.hidden_size, bias=False)
         self.midlayer = DecoderLayer(c)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.lm_head = Linear(c.hidden_size, c.draft_vocab_size, bias=False)
+        self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
         # Identity map over the first Vd ids until set_vocab installs the real one.
         self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
         t2d = torch.zeros(c.vocab_size, dtype=torch.bool)

@@ -256,6 +256,13 @@ def test_eval_command_k_auto_calibrates_each_method(tiny, tmp_path, monkeypatch,
     assert res["config"]["recheck"] == ({"vat": "vat @ k=1"} if cal["k"] > 1 else {})
     assert res["config"]["k"] == {"vat": cal["k"], **({"vat @ k=1": 1} if cal["k"] > 1 else {})}
     assert "Draft length chosen on held-out calibration prompts" in (tmp_path / "eval" / "results.md").read_text()
+    # --calibration without --k auto would be read for nothing; calibrating on scored prompts is no held-out choice
+    fixed = [a if a != "auto" else "2" for a in args]
+    assert cli.main([*fixed, "--calibration", str(tmp_path / "held.jsonl"), "--out", str(tmp_path / "y")]) == 2
+    assert "--calibration is read only to choose k: pass --k auto" in capsys.readouterr().err
+    monkeypatch.setattr(data, "load_conversations", lambda path, **kw: [[BOS, 3, 4], [BOS, 30, 31]])
+    assert cli.main([*args, "--calibration", str(tmp_path / "held.jsonl"), "--out", str(tmp_path / "z")]) == 2
+    assert "1 of its 2 prompts are among the evaluation prompts" in capsys.readouterr().err
 
 
 def test_calibration_lines_do_not_repeat_a_baseline_row():

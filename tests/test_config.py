@@ -120,3 +120,15 @@ def test_a_day_is_read_as_written(tmp_path):
     assert load_config(str(cfg), []).data.chat_template_date == "2026-12-07"
     with pytest.raises(ConfigError, match=r"data.chat_template_date: must be a day as YYYY-MM-DD .*'2026-13-01'"):
         load_config(None, ["data.chat_template_date=2026-13-01"])
+
+
+def test_settings_that_said_one_thing_and_did_another_are_refused():
+    # heldout_fraction=0 still held one conversation out; with data.heldout given, the fraction is not used
+    with pytest.raises(ConfigError, match=r"data.heldout_fraction=0 holds nothing out.*give data.heldout"):
+        load_config(None, ["data.heldout_fraction=0"])
+    assert load_config(None, ["data.heldout_fraction=0", "data.heldout=held.jsonl"]).data.heldout == "held.jsonl"
+    # `none` beside a tracker was called an unknown tracker, while the message offered `none`
+    with pytest.raises(ConfigError, match=r"train.report_to: none means no tracker, and cannot be given with "
+                                          r"tensorboard"):
+        load_config(None, ["train.report_to=none,tensorboard"])
+    assert load_config(None, ["train.report_to=none"]).train.report_to == ()

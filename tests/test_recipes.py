@@ -46,6 +46,14 @@ def test_a_bad_recipe_is_one_line_naming_the_file(tmp_path):
     typo.write_text("base: " + str(recipe_dir() / "demo.yaml") + "\nsize:\n  stepz: 3\n")
     with pytest.raises(ExperimentError, match="typo.yaml: size: .*stepz"):
         load_recipe(typo)
+    base = "base: " + str(recipe_dir() / "demo.yaml") + "\n"
+    for text, message in [("arsm:\n  a: [loss.kind=vat]\n", r"unknown key\(s\) arsm \(a recipe has arm_template"),
+                          ('hf_baseline: "false"\n', r"hf_baseline must be true or false, got 'false'"),
+                          ("arms:\n  ../../x: [loss.kind=vat]\n", r"arm '../../x': an arm is a name without '/'"),
+                          ("arms:\n  a: loss.kind=vat\n", r"arm 'a': an arm's overrides are a list, got 'loss.kind=")]:
+        typo.write_text(base + text)
+        with pytest.raises(ExperimentError, match="typo.yaml: " + message):
+            load_recipe(typo)
 
 
 def test_demo_refuses_a_recipe_it_cannot_size_or_fill(tmp_path, capsys):

@@ -43,6 +43,8 @@ def parse_report_to(value: str | Sequence[str], where: str) -> tuple[str, ...]:
     names = tuple(dict.fromkeys(str(n).strip() for n in items if str(n).strip()))
     if names == ("none",):
         return ()
+    if "none" in names:
+        raise ValueError(f"{where}: none means no tracker, and cannot be given with {', '.join(set(names) - {'none'})}")
     for n in names:
         if n not in TRACKERS:
             raise ValueError(f"{where}: unknown tracker {n!r} (choose from {', '.join(TRACKERS)}, or none)")
@@ -359,6 +361,9 @@ def check(cfg: Config) -> Config:
     if ids is not None and len(set(ids)) < len(ids):  # the engines capture each layer once: export would refuse it
         raise ConfigError(f"drafter.target_layer_ids: {list(ids)} repeats a layer; the engines capture each layer "
                           "once")
+    if cfg.data.heldout_fraction == 0 and not cfg.data.heldout:  # the split would still hold one out
+        raise ConfigError("data.heldout_fraction=0 holds nothing out, but training measures held-out conversations: "
+                          "give data.heldout (a file or feature cache) or a fraction > 0")
     return cfg
 
 

@@ -111,6 +111,12 @@ def load_recipe(name: str | Path, *, drafter: str | None = None, arms: list[str]
     overridden field by field. ``{drafter}`` and ``{arm}`` in arm names and overrides take ``drafter`` and, for
     a recipe with ``arm_template``, each of ``arms``; ``size`` changes the size."""
     raw = _read(name)
+    unknown = sorted(set(raw) - KEYS)
+    if unknown:  # a misspelled key would be ignored
+        raise ExperimentError(f"{raw['_file']}: unknown key(s) {', '.join(unknown)} (a recipe has "
+                              f"{', '.join(sorted(KEYS - {'_file'}))})")
+    if not isinstance(raw.get("hf_baseline", True), bool):  # the string "false" is true
+        raise ExperimentError(f"{raw['_file']}: hf_baseline must be true or false, got {raw['hf_baseline']!r}")
     sized = {**raw.get("size", {}), **(size or {})}
     if "benches" in sized:
         sized["benches"] = tuple(sized["benches"])
@@ -128,8 +134,16 @@ def load_recipe(name: str | Path, *, drafter: str | None = None, arms: list[str]
         arm_map = {a: [o.format(**fill, arm=a) for o in raw["arm_template"]] for a in arms}
         pairs = {a: arms[0] for a in arms[1:]}
     else:
+        bare = [a for a, ov in (raw.get("arms") or {}).items() if not isinstance(ov, list)]
+        if bare:  # a string would be read character by character
+            raise ExperimentError(f"{raw['_file']}: arm {bare[0]!r}: an arm's overrides are a list, got "
+                                  f"{raw['arms'][bare[0]]!r}")
         arm_map = {a.format(**fill): [o.format(**fill) for o in ov] for a, ov in (raw.get("arms") or {}).items()}
         pairs = {a.format(**fill): b.format(**fill) for a, b in (raw.get("pairs") or {}).items()}
+    for a in arm_map:  # an arm is a run folder under --out
+        if not a or a in (".", "..") or any(c in a for c in "/\\"):
+            raise ExperimentError(f"{raw['_file']}: arm {a!r}: an arm is a name without '/' (its run folder under "
+                                  "--out)")
     recipe = Recipe(name=Path(str(name)).stem, title=str(raw.get("title", name)).format(**fill),
                     report=raw.get("report", "demo"), size=sz, arms={a: tuple(o) for a, o in arm_map.items()},
                     pairs=pairs, decode=raw.get("decode", "per_pair"), hf_baseline=bool(raw.get("hf_baseline", True)))
@@ -142,6 +156,9 @@ def load_recipe(name: str | Path, *, drafter: str | None = None, arms: list[str]
     if bad:
         raise ExperimentError(f"{raw['_file']}: " + "; ".join(bad))
     return recipe
+
+
+KEYS = {"title", "base", "size", "arms", "arm_template", "pairs", "decode", "report", "hf_baseline", "_file"}
 
 
 def recipe_size(name: str | Path) -> dict:

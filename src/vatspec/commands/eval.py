@@ -80,6 +80,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.calibration and args.k != "auto":  # before any work: it would be read for nothing
+        raise ValueError(f"--calibration is read only to choose k: pass --k auto with it, or drop it (--k {args.k})")
     if args.threads:
         torch.set_num_threads(args.threads)
     # the report folder first: new, empty or an earlier eval's, and apart from every input
@@ -127,6 +129,10 @@ def _run(args: argparse.Namespace) -> int:
             raise ValueError("--k auto needs --calibration FILE (held-out prompts)")
         convs = data.load_conversations(args.calibration, require_assistant=False)[: args.calibration_prompts]
         ids = [prompt_ids(target.tokenizer, c, template) for c in convs]
+        scored = {tuple(prompt_ids(target.tokenizer, p, template)) for ps in prompts.values() for p in ps}
+        if same := sum(tuple(i) in scored for i in ids):  # k chosen on the prompts it is scored on
+            raise ValueError(f"--calibration {args.calibration}: {same} of its {len(ids)} prompts are among the "
+                             "evaluation prompts; calibrate on held-out prompts")
         calibration = {name: calibrate(target, d, ids) for name, (d, _) in methods.items()}
         k = {name: c.k for name, c in calibration.items()}
     results = evaluate(

@@ -249,3 +249,11 @@ def test_regenerate_keeps_a_prompt_that_fits_max_length(tmp_path, tiny_target_di
         written = {json.loads(line)["id"] for line in (tmp_path / name).read_text().splitlines()}
         assert written == kept, extra
         assert f"{2 - len(kept)} too long" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "1e999"])
+def test_a_number_flag_takes_only_finite_numbers(value, capsys):
+    """`--timeout inf` reached the socket as an internal OverflowError; every number flag refuses it on parsing."""
+    with pytest.raises(SystemExit) as e:
+        main(["regenerate", "x.jsonl", "--out", "y.jsonl", "--target", "default", "--timeout", value])
+    assert e.value.code == 2 and f"--timeout: expected a finite number, got {value}" in capsys.readouterr().err

@@ -14,6 +14,7 @@ as one line, ``vatspec NAME: error: ...``, with exit status 2 (``report``), not 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 DTYPE_NAMES = "bf16, fp16 or fp32 (or bfloat16, float16, float32)"  # what every dtype flag takes (dtype_arg)
@@ -48,13 +49,15 @@ def int_arg(minimum: int):
 
 
 def float_arg(minimum: float = 0.0, maximum: float = float("inf"), *, above: bool = False):
-    """argparse ``type=`` for a number in ``[minimum, maximum]`` (``(minimum, maximum]`` with ``above``)."""
+    """argparse ``type=`` for a finite number in ``[minimum, maximum]`` (``(minimum, maximum]`` with ``above``)."""
 
     def parse(value: str) -> float:
         try:
             x = float(value)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a number, got {value!r}") from None
+        if not math.isfinite(x):  # `--timeout inf` reached the socket as an OverflowError
+            raise argparse.ArgumentTypeError(f"expected a finite number, got {value}")
         if not (x > minimum if above else x >= minimum) or not x <= maximum:
             lo = f"> {minimum:g}" if above else f">= {minimum:g}"
             raise argparse.ArgumentTypeError(f"must be {lo}" + (f" and <= {maximum:g}" if maximum < float("inf")

@@ -172,12 +172,10 @@ def _cache_disk(cfg: Config, conversations: int | None) -> tuple[str, str]:
 def _target_shape(path: str) -> tuple[int, int] | None:
     """``(layers, hidden size)`` of the target folder's ``config.json`` (its text model's), read without the model;
     None where that file is not here (the embedded default: before its first use converts it)."""
-    from vatspec.outputs import vatspec_home
-    from vatspec.target.model import DEFAULT_ALIASES, DEFAULT_NAME
+    from vatspec.target.model import target_folder
 
-    folder = vatspec_home() / "targets" / DEFAULT_NAME if path in DEFAULT_ALIASES else Path(path)
     try:
-        config = json.loads((folder / "config.json").read_text())
+        config = json.loads((target_folder(path) / "config.json").read_text())
     except (OSError, ValueError):
         return None
     text = config.get("text_config") or config

@@ -119,7 +119,8 @@ def convention_findings(folder: Path, target, template=None) -> tuple[str | None
         if "chat_template_kwargs" in have:  # how the engine is told to render (chat_template_kwargs)
             from vatspec.data.chat import format_kwargs
 
-            a, b = format_kwargs(have["chat_template_kwargs"] or {}), format_kwargs(want["chat_template_kwargs"])
+            a = format_kwargs(have["chat_template_kwargs"] or {})
+            b = format_kwargs(want.get("chat_template_kwargs") or {})  # served with no template: no arguments
             out.append(Finding(a == b, "template args", f"{b}, as trained" if a == b else
                                f"served with {b} but trained with {a} (vatspec.json): pass "
                                f"--chat-template-kwargs as the engine renders"))

@@ -27,7 +27,7 @@ RECORD_FORMAT = "vatspec-record"
 def target_fingerprint(target, template=None) -> dict:
     """Sizes and tokenizer identity of ``target``: the vocabulary (token -> id) and the chat template
     hashed, so a draft served with another tokenizer is caught even when the sizes agree; the arguments
-    and date of ``template`` (a ``ChatTemplate``; None: the tokenizer's own, no arguments)."""
+    and date of ``template`` (a ``ChatTemplate``; None: not known, none recorded)."""
     tok = target.tokenizer
     out = {"vocab_size": target.vocab_size, "num_layers": target.num_layers, "hidden_size": target.hidden_size,
            "tokenizer_sha256": None, "chat_template_sha256": None}
@@ -36,9 +36,10 @@ def target_fingerprint(target, template=None) -> dict:
         out["tokenizer_sha256"] = _sha(json.dumps(vocab, ensure_ascii=False))
         text = getattr(tok, "chat_template", None)
         out["chat_template_sha256"] = _sha(text) if isinstance(text, str) else None
-    out["chat_template_kwargs"] = dict(sorted(template.kwargs.items())) if template is not None else {}
-    if template is not None and template.date:
-        out["chat_template_date"] = template.date
+    if template is not None:
+        out["chat_template_kwargs"] = dict(sorted(template.kwargs.items()))
+        if template.date:
+            out["chat_template_date"] = template.date
     return out
 
 
@@ -64,12 +65,9 @@ def training_record(checkpoint: Path, k: int) -> dict:
 def make_record(drafter, target, training: dict | None, template=None) -> dict:
     """The record of an export; ``template`` None (a served draft re-exported: its training is not known)
     records no template arguments, so neither the card nor ``check`` claims any."""
-    fingerprint = target_fingerprint(target, template)
-    if template is None:
-        del fingerprint["chat_template_kwargs"]
     return {"format": RECORD_FORMAT, "version": 1, "drafter_kind": drafter.kind,
             "target_layer_ids": [int(i) for i in drafter.config.target_layer_ids],
-            "target": fingerprint, "training": training}
+            "target": target_fingerprint(target, template), "training": training}
 
 
 def read_record(folder: Path) -> dict | None:

@@ -397,6 +397,17 @@ def default_gguf_path() -> Path:
     return path
 
 
+def target_folder(path: str | Path) -> Path:
+    """The folder a target path names: the embedded default's converted folder (which may not exist yet) for
+    one of ``DEFAULT_ALIASES``, else ``path``."""
+    return converted_folder(DEFAULT_NAME) if str(path) in DEFAULT_ALIASES else Path(path)
+
+
+def converted_folder(name: str, home: Path | None = None) -> Path:
+    """Where ``prepare_gguf_target`` writes the target ``name``: ``HOME/targets/NAME``."""
+    return (home or vatspec_home()) / "targets" / name
+
+
 def prepare_default_target(home: Path | None = None, *, force: bool = False) -> Path:
     """Convert the wheel's GGUF once into a plain safetensors HF folder; return that folder."""
     return prepare_gguf_target(default_gguf_path(), DEFAULT_NAME, home, force=force, wheel=DEFAULT_WHEEL)
@@ -412,7 +423,7 @@ def prepare_gguf_target(
     The folder is written to a temporary name and renamed when complete, so an interrupted
     conversion never leaves a folder that looks finished.
     """
-    out = (home or vatspec_home()) / "targets" / name
+    out = converted_folder(name, home)
     marker = out / "vatspec-converted.json"
     if marker.is_file() and not force:
         return out

@@ -24,7 +24,6 @@ class TrainData:
     target: object  # the loaded target
     source: object  # what the loop asks for target outputs: the target, or the feature cache (CachedTarget)
     template: D.ChatTemplate  # the chat template every sequence was rendered with, as served
-    settings: dict  # its settings (template.settings), recorded in the run's config and checkpoints
     train_ex: list
     held_ex: list
     batches: D.BatchIterator
@@ -32,6 +31,11 @@ class TrainData:
     total: int  # optimiser steps
     stats: dict  # what was read, skipped and dropped (data_stats.json)
     cached: list = field(default_factory=list)  # (cache, "data.features=...") for each cache read
+
+    @property
+    def settings(self) -> dict:
+        """The template's settings, recorded in the run's config and checkpoints."""
+        return self.template.settings(self.target.tokenizer)
 
 
 def load_training_data(cfgs: list[Config], target=None, *, device, rank: int = 0, world: int = 1) -> TrainData:
@@ -85,7 +89,7 @@ def load_training_data(cfgs: list[Config], target=None, *, device, rank: int = 0
             checked(cache.verify_rows, exs, where=src, root=cache.root)
     batches = D.BatchIterator(train_ex, dcfg.batch_size, pad_id=pad_id(target), seed=base.train.seed)
     total = base.train.steps or max(1, len(batches) // base.optim.grad_accum) * base.train.epochs
-    return TrainData(target, source, template, settings, train_ex, held_ex, batches, counts, total, stats, cached)
+    return TrainData(target, source, template, train_ex, held_ex, batches, counts, total, stats, cached)
 
 
 def _examples(cfgs, target, template, settings, convs, stats) -> tuple[list, list, list]:

@@ -33,6 +33,7 @@ COMMANDS: dict[str, str] = {
     "export": "write a draft in SGLang / vLLM / speculators format",
     "check": "check a served draft folder the way the engines load it, and measure its acceptance",
     "acceptance": "teacher-forced acceptance of trained drafts on the target's answers to benchmark prompts",
+    "serve-bench": "what exported drafts buy in a serving engine (vLLM, SGLang) at each concurrency",
 }
 
 

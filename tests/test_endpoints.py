@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -23,7 +24,8 @@ IM_END = 2  # SmolLM2's <|im_end|>
 
 class StandIn(ThreadingHTTPServer):
     """Answers ``echo: <last user message>``. A prompt holding ``fail500xN`` gets N 500s first, ``always500``
-    only 500s, ``slow`` one answer slower than the client's timeout, ``drop`` one dropped connection.
+    only 500s, ``slow`` one answer slower than the client's timeout, ``trickle`` one that sends a byte at a time
+    for longer than it, ``drop`` one dropped connection.
     ``token_ids``: return the answer's ids when asked (as vLLM); ``strict``: refuse unknown fields (HTTP 422,
     as transformers serve). ``vllm``: as vLLM with a reasoning parser and a tool parser: the prompt's ids (its
     own rendering of the messages, one token more for a prompt holding ``skew``), ``reasoning_content`` apart
@@ -89,6 +91,19 @@ class Handler(BaseHTTPRequestHandler):
             return self._send(500, {"error": "overloaded"})
         if "slow" in last and n == 1:
             threading.Event().wait(1.0)
+        if "trickle" in last and n == 1:  # a byte every 0.1 s: each read is quick, the whole answer is not
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", "100")
+            self.end_headers()
+            for _ in range(300):  # 30 s, far past the client's timeout, unless it hangs up
+                try:
+                    self.wfile.write(b" ")
+                    self.wfile.flush()
+                except OSError:
+                    return
+                threading.Event().wait(0.1)
+            return
         if "drop" in last and n == 1:
             self.close_connection = True
             self.wfile.flush()
@@ -179,13 +194,17 @@ def records(path):
 
 
 def test_faults_are_retried_counted_and_listed(server, tok, tmp_path):
-    data = convs("hello", "fail500x2 please", "a slow one", "drop it", "always500 here", ["first?", "second?"])
+    data = convs("hello", "fail500x2 please", "a slow one", "drop it", "always500 here", ["first?", "second?"],
+                 "trickle on")
     out = tmp_path / "regen.jsonl"
+    t0 = time.monotonic()
     stats = run(server, data, out, tok, concurrency=2)
+    assert time.monotonic() - t0 < 15  # the trickle was cut at the request's timeout, not read for 30 s
     recs = records(out)
-    assert set(recs) == {"c0", "c1", "c2", "c3", "c5"}  # every prompt but the one that keeps failing
-    assert stats.conversations == 5 and stats.failed == 1
-    assert stats.retried == 2 + 1 + 1 + 3  # two 500s, a timeout, a dropped connection, always500's three retries
+    assert set(recs) == {"c0", "c1", "c2", "c3", "c5", "c6"}  # every prompt but the one that keeps failing
+    assert stats.conversations == 6 and stats.failed == 1
+    # two 500s, a timeout, a dropped connection, always500's three retries, a trickle past the whole request's timeout
+    assert stats.retried == 2 + 1 + 1 + 3 + 1
     failed = [json.loads(line) for line in (tmp_path / "regen.jsonl.failed.jsonl").read_text().splitlines()]
     assert [f["id"] for f in failed] == ["c4"] and "HTTP 500" in failed[0]["error"]
     two = recs["c5"]["messages"]
@@ -200,8 +219,8 @@ def test_faults_are_retried_counted_and_listed(server, tok, tmp_path):
     # the next run retries only the failure (it fails again here); nothing is written twice
     server.hits.clear()
     stats2 = run(server, data, out, tok, retries=0)
-    assert stats2.skipped_done == 5 and stats2.failed == 1  # always500 still fails; nothing written twice
-    assert len(out.read_text().splitlines()) == 5
+    assert stats2.skipped_done == 6 and stats2.failed == 1  # always500 still fails; nothing written twice
+    assert len(out.read_text().splitlines()) == 6
 
 
 def test_resume_after_a_kill_writes_each_record_once(server, tok, tmp_path):

@@ -106,30 +106,54 @@ class Endpoint:
         return url if url.endswith("/v1") else url + "/v1"
 
     def call(self, path: str, body: dict | None = None) -> dict:
-        """GET (``body`` None) or POST JSON to ``base + path``; the decoded JSON answer."""
+        """GET (``body`` None) or POST JSON to ``base + path``; the decoded JSON answer. ``timeout`` bounds the
+        whole request (a server that trickles its answer a byte at a time times out too)."""
+        parts = urllib.parse.urlsplit(self.base + path)
         data = None if body is None else json.dumps(body).encode()
         headers = {"Content-Type": "application/json"}
         if self.key:
             headers["Authorization"] = f"Bearer {self.key}"
-        req = urllib.request.Request(self.base + path, data=data, headers=headers)
+        conn_cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+        deadline = time.monotonic() + self.timeout
+        conn = conn_cls(parts.hostname, parts.port, timeout=self.timeout)
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-                raw = resp.read()
-        except urllib.error.HTTPError as e:
-            if e.code in (401, 403):
-                raise EndpointError(f"{self.url}: HTTP {e.code} (set VATSPEC_API_KEY or OPENAI_API_KEY to the "
-                                    f"server's API key)", False) from None
-            detail = e.read()[:300].decode("utf-8", "replace")
-            raise EndpointError(f"{self.url}: HTTP {e.code}: {detail}", e.code >= 500 or e.code in (408, 429)) from None
-        except (urllib.error.URLError, http.client.HTTPException, ConnectionError, TimeoutError) as e:
-            reason = getattr(e, "reason", e)
-            raise EndpointError(f"{self.url}: {type(reason).__name__}: {reason}", True) from None
+            conn.request("GET" if data is None else "POST", parts.path, data, headers)
+            sock = conn.sock  # the response reads it; the connection lets go of it when the server closes after
+            resp = conn.getresponse()
+            raw = read_by(resp, sock, deadline)
+        except TimeoutError:
+            raise EndpointError(f"{self.url}: no complete answer within --timeout {self.timeout:g} s", True) from None
+        except (OSError, http.client.HTTPException) as e:
+            raise EndpointError(f"{self.url}: {type(e).__name__}: {e}", True) from None
         finally:
+            conn.close()
             self.requests += 1
+        if resp.status in (401, 403):
+            raise EndpointError(f"{self.url}: HTTP {resp.status} (set VATSPEC_API_KEY or OPENAI_API_KEY to the "
+                                f"server's API key)", False)
+        if not 200 <= resp.status < 300:
+            detail = raw[:300].decode("utf-8", "replace")
+            transient = resp.status >= 500 or resp.status in (408, 429)
+            raise EndpointError(f"{self.url}: HTTP {resp.status}: {detail}", transient)
         try:
             return json.loads(raw)
         except ValueError:
             raise EndpointError(f"{self.url}: the answer is not JSON: {raw[:120]!r}", True) from None
+
+
+def read_by(resp: http.client.HTTPResponse, sock, deadline: float) -> bytes:
+    """The whole body of ``resp``, read from ``sock`` before the monotonic ``deadline`` (else ``TimeoutError``)."""
+    chunks = []
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError
+        if sock is not None:
+            sock.settimeout(left)
+        chunk = resp.read1(65536)
+        if not chunk:
+            return b"".join(chunks)
+        chunks.append(chunk)
 
 
 def check_endpoints(endpoints: list[Endpoint], model: str, probe: dict, retries: int = 2) -> None:

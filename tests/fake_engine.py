@@ -1,10 +1,14 @@
-"""A stand-in for a serving engine's launch command in the serve-bench fault tests: run as
-``python fake_engine.py -m vllm.entrypoints.openai.api_server --model M --port P [--speculative-config J]``
+"""A stand-in for a serving engine's launch command in the serve-bench fault tests.
+
+Run as ``python fake_engine.py -m vllm.entrypoints.openai.api_server --model M --port P [--speculative-config J]``
 (through a wrapper script given as ``--engine-python``), it serves the OpenAI routes serve-bench uses, streamed
 answers and vLLM's spec-decode counters on ``/metrics``, and keeps a child process of its own, so the tests see
-that the whole process group is stopped. ``FAKE_ENGINE`` picks its behaviour: ``ok``; ``refuse`` (exits 3 at once
-with an error, as an engine refusing a draft); ``die-after=N`` (exits after N chat requests); ``hang`` (never
-answers). ``FAKE_PIDS``: a file each process appends its pid to. With ``-c``, it prints a version, as
+that the whole process group is stopped. ``FAKE_ENGINE`` picks its behaviour:
+- ``ok``;
+- ``refuse``: exits 3 at once with an error, as an engine refusing a draft (``refuse-draft``: only with a draft);
+- ``die-after=N``: exits after N chat requests;
+- ``hang``: never answers.
+``FAKE_PIDS``: a file each process appends its pid to. With ``-c``, it prints a version, as
 ``python -c 'import vllm; print(vllm.__version__)'`` does."""
 
 import json
@@ -30,7 +34,7 @@ def main() -> None:
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     with open(os.environ["FAKE_PIDS"], "a") as f:
         f.write(f"{child.pid}\n")
-    if MODE == "refuse":
+    if MODE == "refuse" or (MODE == "refuse-draft" and "--speculative-config" in argv):
         print("ValueError: the draft's config.json has no draft_vocab_size", flush=True)
         sys.exit(3)
     if MODE == "hang":

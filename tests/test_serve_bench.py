@@ -152,13 +152,20 @@ def test_fake_engine_measured_and_reported(fake, tmp_path):
     assert not _left_running(fake[4])
 
 
-def test_engine_that_refuses_the_draft(fake, tmp_path):
-    cmd, env = _bench(fake, tmp_path / "out", mode="refuse")
+@pytest.mark.parametrize("mode,together", [("refuse", False), ("refuse-draft", True)])
+def test_engine_that_refuses_the_draft(fake, tmp_path, mode, together):
+    cmd, env = _bench(fake, tmp_path / "out", *(["--together"] if together else []), mode=mode)
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 1, res.stderr[-3000:]  # nothing measured
     assert "exited with code 3 before it answered" in res.stderr and "no draft_vocab_size" in res.stderr
     rep = json.loads((tmp_path / "out" / "serve-bench.json").read_text())
-    assert not rep["complete"] and all("failed" in c for c in rep["cells"])
+    assert not rep["complete"] and [c for c in rep["cells"] if c["arm"] == "d"][0]["failed"]
+    if mode == "refuse":  # every server refused: nothing measured
+        assert res.returncode == 1, res.stderr[-3000:]
+        assert all("failed" in c for c in rep["cells"])
+    else:  # the draft refused, the target alone measured: partial
+        assert res.returncode == 3, res.stderr[-3000:]
+        assert [c["concurrency"] for c in rep["cells"] if c["arm"] == "none"] == [1, 2, 1, 2]
+        assert "Failures" in (tmp_path / "out" / "serve-bench.md").read_text()
     assert not _left_running(fake[4])  # its child too
 
 
@@ -206,11 +213,11 @@ def test_refused_before_any_work(fake, tmp_path):
 def test_against_transformers_serve(default_target_path, tmp_path):
     """The same real server named twice: every figure measured, and the ratio's interval says no difference."""
     pytest.importorskip("fastapi")
-    from test_serve import transformers_serve
+    from tests.test_serve import transformers_serve
 
     with transformers_serve(default_target_path, tmp_path) as (url, _):
         cmd = [sys.executable, "-m", "vatspec.cli", "serve-bench", "--endpoint", f"none={url}",
-               "--endpoint", f"again={url}", "--bench", "gsm8k", "--num-prompts", "4", "--concurrency", "1,2",
+               "--endpoint", f"again={url}", "--bench", "gsm8k", "--num-prompts", "3", "--concurrency", "1,2",
                "--max-tokens", "12", "--repeats", "2", "--out", str(tmp_path / "out")]
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]

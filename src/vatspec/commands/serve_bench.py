@@ -143,9 +143,9 @@ def _run(args: argparse.Namespace) -> int:
     for arm in arms:  # the user's servers: the model they serve, before any work
         if arm.url:
             arm.model = _served_model(arm.url, key)
+    engine = _engine_info(args)  # the engine's environment runs, before any folder is written
     claim_folder(out, OWNER)
-    report_ = {"format": "vatspec-serve-bench", "version": 1,
-               "engine": _engine_info(args, arms), "machine": _machine(),
+    report_ = {"format": "vatspec-serve-bench", "version": 1, "engine": engine, "machine": _machine(),
                "config": {"target": str(target or "(the endpoints')"), "benchmarks": benches, "prompts": len(prompts),
                           "concurrencies": args.concurrency, "temperatures": args.temperature,
                           "max_tokens": args.max_tokens, "repeats": args.repeats, "timeout_s": args.timeout,
@@ -196,7 +196,7 @@ def _write(report_: dict, results: dict, out: Path, plots: bool) -> dict:
     full["summary"] = B.summarize(full)
     arms = list(full["arms"])
     pairs = [(a, B.NONE) for a in arms if a != B.NONE and B.NONE in arms]
-    pairs += [(a, b) for a, b in combinations([a for a in arms if a != B.NONE], 2)]
+    pairs += [(b, a) for a, b in combinations([a for a in arms if a != B.NONE], 2)]  # a later draft over an earlier
     full["ratios"] = B.ratios(full, pairs)
     return R.write(_finite(full), out, plots=plots)
 
@@ -213,16 +213,13 @@ def _finite(x):
 
 
 def _target_path(spec: str) -> Path:
-    if spec == "default":
-        from vatspec.target.model import converted_folder
+    """The folder the engine loads: ``default`` (or its aliases) is the embedded target's converted folder."""
+    from vatspec.target.model import target_folder
 
-        path = converted_folder()
-        if not (path / "config.json").is_file():
-            raise ValueError(f"--target default: {path} is not prepared; run `vatspec prepare-target` first")
-        return path
-    path = Path(spec)
+    path = target_folder(spec)
     if not (path / "config.json").is_file():
-        raise ValueError(f"--target {spec}: not a local HF model folder (no config.json); an engine needs the files")
+        hint = "run `vatspec prepare-target` first" if str(path) != spec else "an engine needs the model's files"
+        raise ValueError(f"--target {spec}: {path} is not a local HF model folder (no config.json); {hint}")
     return path.resolve()
 
 
@@ -281,7 +278,7 @@ def _served_model(url: str, key: str | None) -> str:
     return models[0]["id"]
 
 
-def _engine_info(args, arms) -> dict:
+def _engine_info(args) -> dict:
     info = {"name": args.engine if args.draft else "endpoints", "version": None, "python": None,
             "environment": {k: v for k, v in sorted(os.environ.items()) if k.startswith(("VLLM_", "SGLANG_"))}}
     if args.draft:

@@ -127,7 +127,11 @@ def serve_bench(arms: Sequence[Arm], prompts: Sequence[list[dict]], *, concurren
     with stack:
         if together:
             for arm in arms:
-                stack.enter_context(arm.running(log_dir, start_s))
+                try:
+                    stack.enter_context(arm.running(log_dir, start_s))
+                except ServerError as e:  # it did not start: the others are measured
+                    _failed_start(arm, e, 0, results, save, say)
+                    continue
                 results["started"][arm.name] = arm.server.started_s if arm.server else None
         for rep in range(repeats):
             order = [arms[(i + rep) % len(arms)] for i in range(len(arms))]
@@ -142,13 +146,17 @@ def serve_bench(arms: Sequence[Arm], prompts: Sequence[list[dict]], *, concurren
                                    max_tokens=max_tokens, timeout=timeout, template_kwargs=template_kwargs,
                                    seed=seed, key=key, save=save, say=say)
                 except ServerError as e:  # it did not start
-                    arm.dead = str(e)
-                    results["cells"].append({"arm": arm.name, "repeat": rep, "failed": str(e)})
-                    save(results)
-                    say(f"{arm.name}: {e}")
+                    _failed_start(arm, e, rep, results, save, say)
     results["complete"] = all(not a.dead for a in arms)
     save(results)
     return results
+
+
+def _failed_start(arm: Arm, error: ServerError, rep: int, results: dict, save, say) -> None:
+    arm.dead = str(error)
+    results["cells"].append({"arm": arm.name, "repeat": rep, "failed": str(error)})
+    save(results)
+    say(f"{arm.name}: {error}")
 
 
 def _arm_cells(arm: Arm, prompts, rep: int, results: dict, *, concurrencies, temperatures, max_tokens, timeout,

@@ -88,11 +88,10 @@ class EngineLaunch:
             cmd = [self.python, "-m", "sglang.launch_server", "--model-path", self.target, "--host", host,
                    "--port", str(port), "--random-seed", "0", "--enable-metrics"]
             if self.draft is not None:
-                algo = "EAGLE3" if self.draft.method == "eagle3" else "DFLASH"
-                # a chain of k drafted tokens: k steps, top-1, k + 1 tokens verified (a tree: --engine-arg)
-                cmd += ["--speculative-algorithm", algo, "--speculative-draft-model-path", str(self.draft.path),
-                        "--speculative-num-steps", str(self.k), "--speculative-eagle-topk", "1",
-                        "--speculative-num-draft-tokens", str(self.k + 1)]
+                cmd += ["--speculative-algorithm", self.draft.method.upper(), "--speculative-draft-model-path",
+                        str(self.draft.path), "--speculative-num-draft-tokens", str(self.k + 1)]
+                if self.draft.method == "eagle3":  # a chain of k drafted tokens: k steps, top-1 (a tree: --engine-arg)
+                    cmd += ["--speculative-num-steps", str(self.k), "--speculative-eagle-topk", "1"]
         else:
             raise ValueError(f"engine {self.engine!r}: expected one of {', '.join(ENGINES)}")
         if self.dtype:
@@ -174,7 +173,7 @@ class Server:
                     return models[0]["id"]
             except (OSError, ValueError, KeyError):
                 pass
-            time.sleep(1.0)
+            time.sleep(0.5)
         raise ServerError(f"{self.name}: the {self.launch.engine} server did not answer within {self.start_s:g} s "
                           f"(--start-timeout); the last lines of {self.log}:\n{log_tail(self.log)}")
 
@@ -188,7 +187,8 @@ class Server:
         return f"the {self.launch.engine} server {state}; the last lines of {self.log}:\n{log_tail(self.log, 8)}"
 
     def stop(self) -> None:
-        """The whole process group stopped (SIGINT, SIGTERM, SIGKILL, ``STOP_S`` apart) and reaped."""
+        """The whole process group stopped (SIGINT, then SIGTERM, then SIGKILL, each given ``STOP_S`` to end
+        every process of the group) and its leader reaped."""
         proc, self.proc = self.proc, None
         if proc is None:
             return
@@ -197,16 +197,35 @@ class Server:
                 os.killpg(proc.pid, sig)
             except ProcessLookupError:
                 break
-            try:
-                proc.wait(STOP_S)
-                # the leader is gone; children of the group may not be
-                os.killpg(proc.pid, 0)
-            except subprocess.TimeoutExpired:
+            deadline = time.monotonic() + STOP_S
+            while time.monotonic() < deadline:
+                proc.poll()  # reap the leader
+                if not group_alive(proc.pid):
+                    break
+                time.sleep(0.1)
+            else:
                 continue
-            except ProcessLookupError:
-                break
-            time.sleep(0.5)
+            break
         proc.poll()
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether a process of group ``pgid`` is still running (zombies, which init reaps, do not count)."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        try:
+            os.killpg(pgid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+        except (OSError, IndexError):
+            continue
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            return True
+    return False
 
 
 def stop_on_sigterm() -> None:

@@ -25,7 +25,8 @@ def markdown(report: dict) -> str:
              f"{cfg['max_tokens']} output tokens each, {cfg['repeats']} repeats interleaved; machine: "
              f"{report['machine']}.", ""]
     if not report.get("complete", False):
-        lines += ["**Incomplete run:** " + report.get("stopped", "some cells failed") + "", ""]
+        why = report.get("stopped", "the run has not finished; this report is rewritten after every cell")
+        lines += [f"**Incomplete run:** {why}.", ""]
     for name, arm in report["arms"].items():
         what = "the target alone" if arm.get("draft") is None else f"`{arm['draft']}` ({arm['method']}, k = {arm['k']})"
         lines.append(f"- **{name}**: {what}" + (f"; launched as `{arm['launch']}`" if arm.get("launch") else
@@ -111,6 +112,9 @@ def plot(report: dict, out_dir: Path) -> list[Path]:
         if acc and acc["per_position_rate"]:
             ax.plot(range(1, len(acc["per_position_rate"]) + 1), acc["per_position_rate"], marker="o", label=arm)
             drawn += 1
+    most = max((len(summary[a][t0][c]["acceptance"]["per_position_rate"]) for a in summary if a != NONE
+                for c in summary[a].get(t0, {}) if summary[a][t0][c].get("acceptance")), default=0)
+    ax.set_xticks(range(1, most + 1))
     ax.set_xlabel("draft position")
     ax.set_ylabel("share of rounds accepted there")
     ax.set_title(f"The engine's acceptance per position, T = {temps[0]:g}")

@@ -49,7 +49,8 @@ def test_every_dtype_flag_takes_every_name(command, flag, required):
 
 def test_dtype_is_the_target_s_in_every_command_and_other_dtypes_have_their_own_flag(capsys):
     with_dtype = {name for name in all_commands() if "--dtype" in parser_of(name)._option_string_actions}
-    assert with_dtype == {"regenerate", "eval", "check", "acceptance", "cache-features"}  # those loading a target
+    # those loading a target (serve-bench: in the engines it launches)
+    assert with_dtype == {"regenerate", "eval", "check", "acceptance", "cache-features", "serve-bench"}
     for name in sorted(with_dtype):
         assert "--dtype DTYPE the target model's dtype: bf16, fp16 or fp32" in help_of(name, capsys), name
     assert "--target-dtype" not in parser_of("cache-features")._option_string_actions

@@ -14,8 +14,10 @@ import contextlib
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
+import urllib.request
 from itertools import combinations
 from pathlib import Path
 
@@ -25,7 +27,7 @@ from vatspec.data import DataError
 from vatspec.data.endpoints import api_key, check_url
 from vatspec.engines import bench as B
 from vatspec.engines import report as R
-from vatspec.engines.launch import ENGINES, EngineLaunch, ServedDraft, stop_on_sigterm
+from vatspec.engines.launch import ENGINES, EngineLaunch, ServedDraft
 from vatspec.export.record import read_record
 from vatspec.outputs import OutputError, check_apart, check_folder, claim_folder
 
@@ -42,22 +44,22 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              f"speculation '{B.NONE}'")
     parser.add_argument("--engine", choices=ENGINES, default="vllm")
     parser.add_argument("--engine-python", default=sys.executable, metavar="PYTHON",
-                        help="the Python of the environment holding the engine (default: this one)")
+                        help="the Python of the environment holding the engine")
     parser.add_argument("--engine-arg", action="append", default=[], metavar="ARG",
                         help="a flag passed to every launched engine, e.g. --engine-arg=--enforce-eager (repeatable)")
-    add_dtype_arg(parser, what="the launched engine's model dtype", note="default: the engine's own")
+    add_dtype_arg(parser, note="in the launched engines (--dtype); unset: the engine's own default")
     parser.add_argument("--k", type=int_arg(1), default=None,
                         help="tokens drafted a round (num_speculative_tokens; default: the draft's trained k, "
                              "DFlash at most its block size - 1)")
     parser.add_argument("--concurrency", type=_int_list, default=[1, 4, 16], metavar="N,N,...",
-                        help="requests in flight (default 1,4,16)")
+                        help="requests in flight, a closed loop")
     parser.add_argument("--temperature", type=_float_list, default=[0.0], metavar="T,T,...")
     parser.add_argument("--bench", action="append", default=[], metavar="NAME",
                         help="a bundled benchmark (repeatable; default: all, unless --prompts is given)")
     parser.add_argument("--prompts", action="append", default=[], metavar="FILE",
                         help="your own prompts: conversations in JSONL / JSON / parquet or an HF dataset folder, "
                              "e.g. your held-out split")
-    parser.add_argument("--num-prompts", type=int_arg(1), default=8, help="the first N prompts of each (default 8)")
+    parser.add_argument("--num-prompts", type=int_arg(1), default=8, help="the first N prompts of each")
     parser.add_argument("--max-tokens", type=int_arg(1), default=128)
     parser.add_argument("--repeats", type=int_arg(1), default=2, help="times every cell is measured, interleaved")
     parser.add_argument("--together", action="store_true",
@@ -140,9 +142,10 @@ def _run(args: argparse.Namespace) -> int:
         print(f"no server named '{B.NONE}' (without speculation): no ratios over it, only between the arms",
               file=sys.stderr)
     key = api_key()
-    for arm in arms:  # the user's servers: the model they serve, before any work
+    versions = {}
+    for arm in arms:  # the user's servers: the model they serve (and their version where they say), before any work
         if arm.url:
-            arm.model = _served_model(arm.url, key)
+            arm.model, versions[arm.name] = _served_model(arm.url, key)
     engine = _engine_info(args)  # the engine's environment runs, before any folder is written
     claim_folder(out, OWNER)
     report_ = {"format": "vatspec-serve-bench", "version": 1, "engine": engine, "machine": _machine(),
@@ -150,14 +153,15 @@ def _run(args: argparse.Namespace) -> int:
                           "concurrencies": args.concurrency, "temperatures": args.temperature,
                           "max_tokens": args.max_tokens, "repeats": args.repeats, "timeout_s": args.timeout,
                           "together": args.together, "chat_template_kwargs": kwargs, "seed": args.seed},
-               "arms": {a.name: _arm_info(a) for a in arms}, "cells": [], "complete": False}
+               "arms": {a.name: {**_arm_info(a), **({"version": versions[a.name]} if a.name in versions else {})}
+                        for a in arms}, "cells": [], "complete": False}
     state = {"results": {"cells": []}}
 
     def save(results: dict) -> None:
         state["results"] = results
         _write(report_, results, out, plots=False)
 
-    stop_on_sigterm()
+    signal.signal(signal.SIGTERM, _sigterm)  # the servers' blocks stop their engines on the way out
     print(f"serve-bench: {len(arms)} servers x {len(args.temperature)} temperatures x {len(args.concurrency)} "
           f"concurrencies x {args.repeats} repeats, {len(prompts)} prompts each; logs in {out / 'logs'}",
           file=sys.stderr)
@@ -190,6 +194,10 @@ def _run(args: argparse.Namespace) -> int:
     return 0 if results["complete"] and all(r["error"] is None for r in requests) else 3
 
 
+def _sigterm(signum, frame):
+    raise SystemExit(128 + signum)
+
+
 def _write(report_: dict, results: dict, out: Path, plots: bool) -> dict:
     full = {**report_, "cells": results["cells"], "complete": results.get("complete", False),
             "started_s": results.get("started", {})}
@@ -198,18 +206,7 @@ def _write(report_: dict, results: dict, out: Path, plots: bool) -> dict:
     pairs = [(a, B.NONE) for a in arms if a != B.NONE and B.NONE in arms]
     pairs += [(b, a) for a, b in combinations([a for a in arms if a != B.NONE], 2)]  # a later draft over an earlier
     full["ratios"] = B.ratios(full, pairs)
-    return R.write(_finite(full), out, plots=plots)
-
-
-def _finite(x):
-    """The report with every non-finite number as null: strict JSON readers take it."""
-    if isinstance(x, float):
-        return x if x == x and abs(x) != float("inf") else None
-    if isinstance(x, dict):
-        return {k: _finite(v) for k, v in x.items()}
-    if isinstance(x, list | tuple):
-        return [_finite(v) for v in x]
-    return x
+    return R.write(full, out, plots=plots)
 
 
 def _target_path(spec: str) -> Path:
@@ -266,16 +263,26 @@ def _prompts(args) -> tuple[list[list[dict]], list[str]]:
     return prompts, list(sets)
 
 
-def _served_model(url: str, key: str | None) -> str:
+def _served_model(url: str, key: str | None) -> tuple[str, str | None]:
+    """The model a running server serves, and its version where it answers ``/version`` (vLLM, SGLang)."""
     from vatspec.data.endpoints import Endpoint, EndpointError
 
+    ep = Endpoint(url, timeout=30, key=key)
     try:
-        models = Endpoint(url, timeout=30, key=key).call("/models").get("data") or []
+        models = ep.call("/models").get("data") or []
     except EndpointError as e:
         raise DataError(f"--endpoint {url}: does not answer ({e})") from None
     if not models:
         raise DataError(f"--endpoint {url}: serves no model")
-    return models[0]["id"]
+    root = url.rstrip("/").removesuffix("/v1")
+    try:
+        req = urllib.request.Request(root + "/version", headers={"Authorization": f"Bearer {key}"} if key else {})
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            answer = json.loads(resp.read())
+        version = str(answer["version"]) if isinstance(answer, dict) and answer.get("version") else None
+    except (OSError, ValueError):
+        version = None
+    return models[0]["id"], version
 
 
 def _engine_info(args) -> dict:

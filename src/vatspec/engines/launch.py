@@ -8,7 +8,7 @@ address, each in its own process group.
 
 A server that does not start is a ``ServerError`` with its exit code and the last lines of its log (an engine
 refusing a draft says why there). Leaving the block, however (an error, Ctrl-C, SIGTERM turned into
-``SystemExit`` by ``stop_on_sigterm``), stops the whole process group: SIGINT, then SIGTERM, then SIGKILL,
+``SystemExit`` by the command), stops the whole process group: SIGINT, then SIGTERM, then SIGKILL,
 so no engine process is left behind and its port is free again.
 """
 
@@ -226,12 +226,3 @@ def group_alive(pgid: int) -> bool:
         if fields[0] != "Z" and int(fields[2]) == pgid:
             return True
     return False
-
-
-def stop_on_sigterm() -> None:
-    """SIGTERM raises ``SystemExit`` (143), so ``with Server(...)`` blocks stop their engines on the way out."""
-
-    def handler(signum, frame):
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, handler)

@@ -28,6 +28,22 @@ log = logging.getLogger(__name__)
 OWNER = ".vatspec-owner"
 
 
+def strict_json(obj, **kw) -> str:
+    """``obj`` as JSON that strict readers take: a non-finite number (NaN, inf) written as null, not as the bare
+    ``NaN`` Python's ``json`` writes by default (``jq``, JavaScript and Go refuse it)."""
+    return json.dumps(_finite(obj), allow_nan=False, **kw)
+
+
+def _finite(x):
+    if isinstance(x, float):
+        return x if x - x == 0.0 else None  # nan - nan and inf - inf are nan
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_finite(v) for v in x]
+    return x
+
+
 def vatspec_home() -> Path:
     """Cache directory for converted targets and bundled corpora (``$VATSPEC_HOME``)."""
     env = os.environ.get("VATSPEC_HOME")

@@ -4,10 +4,10 @@ draft and the no-speculation line) and ``acceptance.png`` (the engine's per-posi
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from vatspec.engines.bench import NONE
+from vatspec.outputs import strict_json
 
 
 def _ms(x) -> str:
@@ -131,7 +131,7 @@ def write(report: dict, out_dir: Path, plots: bool = True) -> dict[str, Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {"json": out_dir / "serve-bench.json", "markdown": out_dir / "serve-bench.md"}
     tmp = paths["json"].with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(report, indent=1, allow_nan=False))
+    tmp.write_text(strict_json(report, indent=1))
     tmp.replace(paths["json"])
     paths["markdown"].write_text(markdown(report))
     if plots:

@@ -23,7 +23,7 @@ from vatspec.export.formats import (
 )
 from vatspec.export.record import RECORD, make_record
 from vatspec.export.validate import validate_export
-from vatspec.outputs import WRITE_ERRORS, pid_alive, user_mode, write_error
+from vatspec.outputs import WRITE_ERRORS, pid_alive, strict_json, user_mode, write_error
 from vatspec.target import DTYPES, dtype_name
 
 
@@ -77,7 +77,7 @@ def export_draft(
         (folder / CONFIG).write_text(json.dumps(cfg, indent=2) + "\n")
         save_file(state, folder / WEIGHTS, metadata={"format": "pt"})
         user_mode(folder / WEIGHTS)  # an engine in a container runs as another user
-        (folder / RECORD).write_text(json.dumps(make_record(drafter, target, training, template), indent=2) + "\n")
+        (folder / RECORD).write_text(strict_json(make_record(drafter, target, training, template), indent=2) + "\n")
         write_card(folder, fmt, target.path, k or drafter.k, Path(out))  # a launch flag for a format without k
         served.write_files(folder, drafter, cfg, dtype)
         if head is not None:

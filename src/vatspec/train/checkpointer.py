@@ -23,7 +23,16 @@ import yaml
 
 from vatspec import checkpoint as ckpt_io
 from vatspec.config import Config
-from vatspec.outputs import OutputError, check_apart, check_folder, claim_folder, mark_folder, owner, write_lock
+from vatspec.outputs import (
+    OutputError,
+    check_apart,
+    check_folder,
+    claim_folder,
+    mark_folder,
+    owner,
+    strict_json,
+    write_lock,
+)
 from vatspec.train import dist as D
 from vatspec.train.arms import Arm
 from vatspec.train.errors import TrainError
@@ -157,7 +166,7 @@ class Checkpointer:
         there, never logs it twice)."""
         if self.is_main:
             with open(arm.run_dir / "metrics.jsonl", "a") as f:
-                f.write(json.dumps(record) + "\n")
+                f.write(strict_json(record) + "\n")  # a NaN loss as null: strict JSON readers take the file
             if arm.run_dir in self.trackers:
                 self.trackers[arm.run_dir].log(record)
 

@@ -76,13 +76,13 @@ def gptoss_config(vocab_size: int, *, layers: int = 4, hidden: int = 64, experts
 
 
 def build_gptoss_target(out_dir, smollm2_dir, *, speak: str | None = None, layers: int = 4, seed: int = 0,
-                        steps: int = 300, prompts: list[list[dict]] = ()) -> Path:
+                        steps: int = 300, prompts: list = ()) -> Path:
     """Save a tiny gpt-oss (``gptoss_config``) with the harmony tokenizer (``harmony_tokenizer``) and
     ``generation_config.json`` eos ids ``[<|return|>, <|endoftext|>, <|call|>]`` to ``out_dir``; returns it.
-    ``speak``: the text (after ``<|start|>assistant``) the model is taught to answer every prompt with; ``prompts``
-    (message lists) are in every teaching batch beside the random ones, so the answer wins by the margin after
-    these too (a tiny model taught on random prompts alone can still end its analysis with ``<|return|>`` after
-    one of them, and how often depends on the machine's float rounding)."""
+    ``speak``: the text (after ``<|start|>assistant``) the model is taught to answer every prompt with;
+    ``prompts`` (message lists, or ``{"messages", "tools"}``) are in every teaching batch beside the random ones,
+    so the answer wins by the margin after these too (a tiny model taught on random prompts alone can still end
+    its analysis with ``<|return|>`` after one of them, and how often depends on the machine's float rounding)."""
     from transformers import GenerationConfig, GptOssForCausalLM
 
     tok = harmony_tokenizer(smollm2_dir)
@@ -100,7 +100,7 @@ def build_gptoss_target(out_dir, smollm2_dir, *, speak: str | None = None, layer
 
 
 def _teach(model, tok, answer: str, steps: int, *, lr: float = 1e-2, margin: float = 3.0, rows: int = 4,
-           seed: int = 0, fixed: list[list[dict]] = ()) -> int:
+           seed: int = 0, fixed: list = ()) -> int:
     """Adam steps on fresh random prompts each step (one and two turns, 1 to 48 words: some past the 128-token
     window), the answer supervised alone, until every answer token of ``PATIENCE`` batches in a row wins by
     ``margin`` logits before it trains on them (so greedy decoding writes ``answer`` after prompts it never saw; ~70
@@ -122,8 +122,10 @@ def _teach(model, tok, answer: str, steps: int, *, lr: float = 1e-2, margin: flo
             if r % 3 == 2:  # a second turn after an earlier answer, as the template renders history (no analysis)
                 msgs += [{"role": "assistant", "content": CONTENT}, {"role": "user", "content": question()}]
             seqs.append(tok(template.render(tok, msgs, generation_prompt=True), add_special_tokens=False)["input_ids"])
-        seqs += [tok(template.render(tok, msgs, generation_prompt=True), add_special_tokens=False)["input_ids"]
-                 for msgs in fixed]
+        for item in fixed:  # a message list, or {"messages": ..., "tools": ...} rendered with its tools
+            msgs, tools = (item["messages"], item.get("tools")) if isinstance(item, dict) else (item, None)
+            seqs.append(tok(template.render(tok, msgs, generation_prompt=True, tools=tools),
+                            add_special_tokens=False)["input_ids"])
         T = max(len(p) for p in seqs) + len(want)
         n = len(seqs)
         ids = torch.full((n, T), tok.pad_token_id)

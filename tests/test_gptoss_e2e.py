@@ -83,6 +83,11 @@ def gptoss_dir(tmp_path_factory, default_target_path) -> Path:
     for p in PROMPTS:
         users = p["messages"]
         turns += [[m for u in users[:k] for m in (u, answer)] + [users[k]] for k in range(len(users))]
+    from vatspec.data.records import parse_record
+
+    # the tool conversation's answer after the tool's result, its messages read as regenerate reads them, with its tools
+    tool = parse_record(next(h for h in HANDWRITTEN if h["id"] == "h-tool"), "h-tool")
+    turns.append({"messages": tool.messages[:3], "tools": tool.tools})
     return build_gptoss_target(tmp_path_factory.mktemp("gptoss_target"), default_target_path, speak=HARMONY_ANSWER,
                                prompts=turns)
 

@@ -83,7 +83,9 @@ def _cfg(tiny_dir, out_dir, *extra, data=None, features=None):
 
 
 def _records(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    from vatspec.train.checkpointer import read_metrics
+
+    return read_metrics(run_dir / "metrics.jsonl")
 
 
 # ----------------------------------------------------------------------------- layout

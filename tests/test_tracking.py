@@ -195,7 +195,9 @@ def _by_step_and_key(entries: list[tuple]) -> dict[tuple[int, str], list[float]]
 
 def _logged(run: Path) -> dict[tuple[int, str], float]:
     """What metrics.jsonl holds, as the trackers get it (``tracking.scalars``)."""
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    from vatspec.train.checkpointer import read_metrics
+
+    records = read_metrics(run / "metrics.jsonl")
     return {(r["step"], k): v for r in records for k, v in tracking.scalars(r).items()}
 
 

@@ -58,10 +58,9 @@ def _write_md(path: Path, text: str) -> None:
 
 
 def read_curves(run_dir: Path) -> list[dict]:
-    """``metrics.jsonl``'s records, a number written as null (NaN, inf) read back as NaN."""
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [{k: float("nan") if v is None else v for k, v in json.loads(line).items()}
-            for line in lines if line.strip()]
+    from vatspec.train.checkpointer import read_metrics
+
+    return read_metrics(run_dir / "metrics.jsonl")
 
 
 def slug(name: str) -> str:

@@ -317,6 +317,16 @@ def _named_optim_state(arm: Arm, osd: dict) -> dict:
             "param_groups": [{**g, "params": [order[int(i)] for i in g["params"]]} for g in osd["param_groups"]]}
 
 
+def read_metrics(path: str | Path) -> list[dict]:
+    """The records of a run's ``metrics.jsonl``, a number written as null (a NaN or inf: the file is strict JSON)
+    read back as NaN, as it was logged."""
+    def nan(v):
+        return float("nan") if v is None else [nan(x) for x in v] if isinstance(v, list) else v
+
+    lines = Path(path).read_text().splitlines()
+    return [{k: nan(v) for k, v in json.loads(line).items()} for line in lines if line.strip()]
+
+
 def cut_metrics(path: Path, step: int) -> int:
     """Keep the records of ``metrics.jsonl`` up to ``step`` (a partial last line from a kill goes too); return
     the last step it held before (0 if none): the steps a resumed run's trackers already hold."""

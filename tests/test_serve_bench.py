@@ -47,6 +47,20 @@ def test_metrics_parse_errors_name_the_line():
     assert spec_counters('sglang:spec_accept_length{model_name="m"} 2.5\n').mean_acceptance_length == 2.5
 
 
+def test_sglang_gauge_reaches_the_summary():
+    """SGLang exports no counters, only its accept-length gauge: the cell's acceptance is that gauge (averaged over
+    repeats); a server with neither has none."""
+    sg = spec_counters('sglang:spec_accept_length{model_name="m",tp_rank="0"} 2.5\n')
+    cells = [{"arm": "sg", "repeat": r, "temperature": 0.0, "concurrency": 4, "wall_s": 1.0,
+              "requests": [{"index": 0, "error": None, "latency": 1.0, "output_tokens": 9, "ttft": 0.1, "tpot": 0.1}],
+              "counters": (sg if r == 0 else spec_counters("sglang:spec_accept_length 3.5\n")).to_dict()}
+             for r in range(2)]
+    cells.append({**cells[0], "arm": "plain", "counters": spec_counters("").to_dict()})
+    s = B.summarize({"cells": cells})
+    assert s["sg"]["0.0"]["4"]["acceptance"]["mean_acceptance_length"] == 3.0
+    assert s["plain"]["0.0"]["4"]["acceptance"] is None
+
+
 def _cells(arm, temp, c, lat, toks=None):
     toks = toks or [10] * len(lat)
     return [{"arm": arm, "repeat": 0, "temperature": temp, "concurrency": c, "wall_s": sum(lat),

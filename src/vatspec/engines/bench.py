@@ -110,9 +110,12 @@ def _sum_counters(items: Sequence[dict | None]) -> dict | None:
     if not items or any(c is None for c in items):
         return None
     n = max(len(c["accepted_per_pos"]) for c in items)
+    gauges = [c["mean_acceptance_length"] for c in items  # SGLang: its gauge, where no counters are
+              if c["drafts"] == 0 and c.get("mean_acceptance_length") is not None]
     total = SpecCounters(sum(c["drafts"] for c in items), sum(c["draft_tokens"] for c in items),
                          sum(c["accepted"] for c in items),
-                         tuple(sum((c["accepted_per_pos"] + [0] * n)[j] for c in items) for j in range(n)), True)
+                         tuple(sum((c["accepted_per_pos"] + [0] * n)[j] for c in items) for j in range(n)), True,
+                         sum(gauges) / len(gauges) if gauges else None)
     return total.to_dict()
 
 
@@ -222,7 +225,7 @@ def summarize(results: dict) -> dict:
             "ttft_s": _quantiles([r["ttft"] for r in reqs if r["ttft"] is not None]),
             "tpot_s": _quantiles([r["tpot"] for r in reqs if r["tpot"] is not None]),
             "latency_s": _quantiles([r["latency"] for r in reqs]),
-            "acceptance": acc if acc and acc["drafts"] > 0 else None,
+            "acceptance": acc if acc and acc["mean_acceptance_length"] is not None else None,
         }
     return out
 

@@ -143,13 +143,13 @@ def test_ablate_takes_no_seeds_nor_redecode(tmp_path, capsys):
 
 def test_outputs_are_strict_json(tmp_path):
     """A NaN or inf (a diverged loss, an empty held-out metric) is written as null: jq, JavaScript and Go refuse the
-    bare ``NaN`` Python writes by default. The recipes read it back as NaN."""
+    bare ``NaN`` Python writes by default. ``read_metrics`` reads it back as NaN."""
     from vatspec.outputs import strict_json
-    from vatspec_recipes.report import read_curves
+    from vatspec.train.checkpointer import read_metrics
 
     text = strict_json({"step": 3, "loss": float("nan"), "eval/tau_sim": float("inf"), "cond": [1.0, float("-inf")]})
     assert json.loads(text, parse_constant=lambda c: pytest.fail(f"bare {c}")) == {
         "step": 3, "loss": None, "eval/tau_sim": None, "cond": [1.0, None]}
     (tmp_path / "metrics.jsonl").write_text(text + "\n")
-    (curve,) = read_curves(tmp_path)
+    (curve,) = read_metrics(tmp_path / "metrics.jsonl")
     assert curve["step"] == 3 and math.isnan(curve["loss"])

@@ -27,7 +27,9 @@ def write(recipe, out: Path, summary: dict, results: dict | None, cfgs: dict) ->
     """Write ``recipe.report``'s files into ``out`` (``results``: ``bench.evaluate``'s, None without decoding;
     ``cfgs``: result name -> its run config)."""
     from vatspec.eval import report as eval_report
-    curves = {n: read_curves(Path(c.train.out_dir)) for n, c in cfgs.items()}
+    from vatspec.train.checkpointer import read_metrics
+
+    curves = {n: read_metrics(Path(c.train.out_dir) / "metrics.jsonl") for n, c in cfgs.items()}
     if recipe.report == "ablation":
         rows = ablation_rows(summary)
         (out / "ablation.json").write_text(json.dumps(rows, indent=1, default=float))
@@ -55,12 +57,6 @@ def _write_md(path: Path, text: str) -> None:
     from vatspec.eval.report import check_finite
 
     path.write_text(check_finite(text, str(path)))
-
-
-def read_curves(run_dir: Path) -> list[dict]:
-    from vatspec.train.checkpointer import read_metrics
-
-    return read_metrics(run_dir / "metrics.jsonl")
 
 
 def slug(name: str) -> str:

@@ -11,20 +11,20 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import http.client
 import json
 import os
 import platform
 import signal
 import subprocess
 import sys
-import urllib.request
 from itertools import combinations
 from pathlib import Path
 
 from vatspec import benchmarks, data
 from vatspec.commands import add_dtype_arg, add_report_to_arg, float_arg, int_arg, report
 from vatspec.data import DataError
-from vatspec.data.endpoints import api_key, check_url
+from vatspec.data.endpoints import api_key, check_url, fetch
 from vatspec.engines import bench as B
 from vatspec.engines import report as R
 from vatspec.engines.launch import ENGINES, EngineLaunch, ServedDraft
@@ -274,13 +274,11 @@ def _served_model(url: str, key: str | None) -> tuple[str, str | None]:
         raise DataError(f"--endpoint {url}: does not answer ({e})") from None
     if not models:
         raise DataError(f"--endpoint {url}: serves no model")
-    root = url.rstrip("/").removesuffix("/v1")
     try:
-        req = urllib.request.Request(root + "/version", headers={"Authorization": f"Bearer {key}"} if key else {})
-        with urllib.request.urlopen(req, timeout=10) as resp:
-            answer = json.loads(resp.read())
+        status, raw = fetch(url.rstrip("/").removesuffix("/v1") + "/version", timeout=10, key=key)
+        answer = json.loads(raw) if status == 200 else None
         version = str(answer["version"]) if isinstance(answer, dict) and answer.get("version") else None
-    except (OSError, ValueError):
+    except (OSError, ValueError, http.client.HTTPException):
         version = None
     return models[0]["id"], version
 

@@ -26,9 +26,7 @@ import os
 import queue
 import threading
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -108,42 +106,61 @@ class Endpoint:
     def call(self, path: str, body: dict | None = None) -> dict:
         """GET (``body`` None) or POST JSON to ``base + path``; the decoded JSON answer. ``timeout`` bounds the
         whole request (a server that trickles its answer a byte at a time times out too)."""
-        parts = urllib.parse.urlsplit(self.base + path)
         data = None if body is None else json.dumps(body).encode()
-        headers = {"Content-Type": "application/json"}
-        if self.key:
-            headers["Authorization"] = f"Bearer {self.key}"
-        conn_cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-        deadline = time.monotonic() + self.timeout
-        conn = conn_cls(parts.hostname, parts.port, timeout=self.timeout)
         try:
-            conn.request("GET" if data is None else "POST", parts.path, data, headers)
-            sock = conn.sock  # the response reads it; the connection lets go of it when the server closes after
-            resp = conn.getresponse()
-            raw = read_by(resp, sock, deadline)
+            status, raw = fetch(self.base + path, data, self.timeout, self.key)
         except TimeoutError:
             raise EndpointError(f"{self.url}: no complete answer within --timeout {self.timeout:g} s", True) from None
         except (OSError, http.client.HTTPException) as e:
             raise EndpointError(f"{self.url}: {type(e).__name__}: {e}", True) from None
         finally:
-            conn.close()
             self.requests += 1
-        if resp.status in (401, 403):
-            raise EndpointError(f"{self.url}: HTTP {resp.status} (set VATSPEC_API_KEY or OPENAI_API_KEY to the "
+        if status in (401, 403):
+            raise EndpointError(f"{self.url}: HTTP {status} (set VATSPEC_API_KEY or OPENAI_API_KEY to the "
                                 f"server's API key)", False)
-        if not 200 <= resp.status < 300:
+        if not 200 <= status < 300:
             detail = raw[:300].decode("utf-8", "replace")
-            transient = resp.status >= 500 or resp.status in (408, 429)
-            raise EndpointError(f"{self.url}: HTTP {resp.status}: {detail}", transient)
+            raise EndpointError(f"{self.url}: HTTP {status}: {detail}", status >= 500 or status in (408, 429))
         try:
             return json.loads(raw)
         except ValueError:
             raise EndpointError(f"{self.url}: the answer is not JSON: {raw[:120]!r}", True) from None
 
 
-def read_by(resp: http.client.HTTPResponse, sock, deadline: float) -> bytes:
-    """The whole body of ``resp``, read from ``sock`` before the monotonic ``deadline`` (else ``TimeoutError``)."""
-    chunks = []
+def fetch(url: str, data: bytes | None = None, timeout: float = 30.0, key: str | None = None,
+          accept: str = "application/json") -> tuple[int, bytes]:
+    """``(HTTP status, body)`` of a GET (``data`` None) or a JSON POST to ``url``; ``timeout`` bounds the whole
+    request (``TimeoutError``)."""
+    deadline = time.monotonic() + timeout
+    conn, sock, resp = open_request(url, data, timeout, key, accept)
+    try:
+        return resp.status, b"".join(body_chunks(resp, sock, deadline))
+    finally:
+        conn.close()
+
+
+def open_request(url: str, data: bytes | None, timeout: float, key: str | None = None,
+                 accept: str = "application/json"):
+    """GET (``data`` None) or POST JSON ``data`` to ``url``: ``(connection, socket, response)`` once the response's
+    head has arrived; the caller closes the connection. ``key``: sent as ``Authorization: Bearer``."""
+    parts = urllib.parse.urlsplit(url)
+    headers = {"Content-Type": "application/json", "Accept": accept}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    conn_cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    conn = conn_cls(parts.hostname, parts.port, timeout=timeout)
+    try:
+        conn.request("GET" if data is None else "POST", parts.path, data, headers)
+        sock = conn.sock  # the response reads it; the connection lets go of it when the server closes after
+        return conn, sock, conn.getresponse()
+    except BaseException:
+        conn.close()
+        raise
+
+
+def body_chunks(resp: http.client.HTTPResponse, sock, deadline: float):
+    """The body of ``resp`` chunk by chunk as it arrives, read from ``sock`` before the monotonic ``deadline``
+    (else ``TimeoutError``): a whole request bounded, not one read."""
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
@@ -152,8 +169,8 @@ def read_by(resp: http.client.HTTPResponse, sock, deadline: float) -> bytes:
             sock.settimeout(left)
         chunk = resp.read1(65536)
         if not chunk:
-            return b"".join(chunks)
-        chunks.append(chunk)
+            return
+        yield chunk
 
 
 def check_endpoints(endpoints: list[Endpoint], model: str, probe: dict, retries: int = 2) -> None:

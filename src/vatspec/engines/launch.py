@@ -14,6 +14,7 @@ so no engine process is left behind and its port is free again.
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import shlex
@@ -21,9 +22,10 @@ import signal
 import socket
 import subprocess
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from vatspec.data.endpoints import fetch
 
 ENGINES = ("vllm", "sglang")
 HOST = "127.0.0.1"
@@ -167,11 +169,11 @@ class Server:
                 raise ServerError(f"{self.name}: the {self.launch.engine} server exited with code {code} before it "
                                   f"answered; the last lines of {self.log}:\n{log_tail(self.log)}")
             try:
-                with urllib.request.urlopen(self.url + "/v1/models", timeout=5) as resp:
-                    models = json.loads(resp.read()).get("data") or []
+                status, raw = fetch(self.url + "/v1/models", timeout=5)
+                models = (json.loads(raw).get("data") or []) if status == 200 else []
                 if models:
                     return models[0]["id"]
-            except (OSError, ValueError, KeyError):
+            except (OSError, ValueError, KeyError, AttributeError, http.client.HTTPException):
                 pass
             time.sleep(0.5)
         raise ServerError(f"{self.name}: the {self.launch.engine} server did not answer within {self.start_s:g} s "

@@ -17,9 +17,10 @@ import json
 import queue
 import threading
 import time
-import urllib.parse
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+
+from vatspec.data.endpoints import body_chunks, open_request
 
 
 @dataclass
@@ -51,42 +52,22 @@ class Request:
         return {**asdict(self), "tpot": self.tpot}
 
 
-class _Deadline(Exception):
-    pass
-
-
 def stream_chat(url: str, body: dict, timeout: float, key: str | None = None, result: Request | None = None) -> Request:
     """POST ``body`` (streamed) to ``url``'s ``/v1/chat/completions`` and time it; never raises for the
     server's faults (they are ``result.error``)."""
     res = result or Request(index=-1)
-    parts = urllib.parse.urlsplit(url.rstrip("/"))
-    path = parts.path.removesuffix("/v1") + "/v1/chat/completions"
-    conn_cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
     payload = json.dumps({**body, "stream": True, "stream_options": {"include_usage": True}}).encode()
-    headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
-    if key:
-        headers["Authorization"] = f"Bearer {key}"
     res.start = t0 = time.monotonic()
-    deadline = t0 + timeout
-    conn = conn_cls(parts.hostname, parts.port, timeout=timeout)
-    chunks = 0
+    chunks, conn = 0, None
     try:
-        conn.request("POST", path, payload, headers)
-        sock = conn.sock  # the response reads it; the connection lets go of it when the server closes after
-        resp = conn.getresponse()
+        conn, sock, resp = open_request(url.rstrip("/").removesuffix("/v1") + "/v1/chat/completions", payload,
+                                        timeout, key, accept="text/event-stream")
         if resp.status != 200:
             detail = resp.read(300).decode("utf-8", "replace").strip()
             res.error = f"HTTP {resp.status}: {detail}"
             return res
         buf = b""
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise _Deadline
-            sock.settimeout(left)
-            data = resp.read1(65536)
-            if not data:
-                break
+        for data in body_chunks(resp, sock, t0 + timeout):
             buf += data
             *lines, buf = buf.split(b"\n")
             for line in lines:
@@ -118,14 +99,15 @@ def stream_chat(url: str, body: dict, timeout: float, key: str | None = None, re
             res.output_tokens, res.counted_by = chunks, "chunks"
         if res.finish is None:
             res.error = "the stream ended without a finish reason (the server cut it)"
-    except (_Deadline, TimeoutError):
+    except TimeoutError:
         res.error = f"no complete answer within --timeout {timeout:g} s"
     except (OSError, http.client.HTTPException) as e:
         res.error = f"{type(e).__name__}: {e}"
     except (ValueError, TypeError, AttributeError) as e:
         res.error = f"a malformed stream event ({type(e).__name__}: {e})"
     finally:
-        conn.close()
+        if conn is not None:
+            conn.close()
     return res
 
 

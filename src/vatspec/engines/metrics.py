@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import math
 import re
-import urllib.request
 from dataclasses import dataclass, field
+
+from vatspec.data.endpoints import fetch
 
 VLLM = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
         "vllm:spec_decode_num_accepted_tokens": "accepted"}
@@ -51,11 +52,13 @@ def parse(text: str) -> list[tuple[str, dict[str, str], float]]:
 
 
 def scrape(url: str, timeout: float = 10.0, key: str | None = None) -> str:
-    """The ``/metrics`` text of the server at ``url`` (its root, with or without ``/v1``)."""
-    root = url.rstrip("/").removesuffix("/v1")
-    req = urllib.request.Request(root + "/metrics", headers={"Authorization": f"Bearer {key}"} if key else {})
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        return resp.read().decode("utf-8", "replace")
+    """The ``/metrics`` text of the server at ``url`` (its root, with or without ``/v1``); an ``OSError`` when it
+    does not answer it."""
+    status, raw = fetch(url.rstrip("/").removesuffix("/v1") + "/metrics", timeout=timeout, key=key,
+                        accept="text/plain")
+    if status != 200:
+        raise OSError(f"/metrics: HTTP {status}")
+    return raw.decode("utf-8", "replace")
 
 
 @dataclass(frozen=True)
